@@ -1,0 +1,89 @@
+"""``KernelConfig``: the constants of the consistent operator set and their fingerprint.
+
+Every bit a kernel produces depends on its inputs and on these constants only (DESIGN §3, the
+invariance rule). Services report the fingerprint, every weight version carries it, and the
+verifier refuses to compare logprobs produced under different fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+import torch
+
+#: Bumped whenever a kernel's arithmetic changes, so old fingerprints stop matching.
+CONTRACT_VERSION = 1
+
+DTypeName = Literal["fp32", "bf16", "fp16"]
+_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """Torch dtype for a dtype name (``fp32``, ``bf16``, ``fp16``)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """The fixed constants every operator of the set is parameterised by."""
+
+    backend: str = "reference"
+    """Operator backend: ``reference`` (torch, invariant), ``fast`` (fused, not invariant), ``ascend``."""
+    row_tile: int = 8
+    """Rows of every GEMM are padded to a multiple of this, so one GEMM shape class serves all M."""
+    kv_tile: int = 64
+    """Attention reduces over keys in blocks of this many positions, from position 0 ascending."""
+    compute_dtype: DTypeName = "fp32"
+    """Dtype of weights and activations between operators."""
+    accum_dtype: Literal["fp32"] = "fp32"
+    """Dtype of every reduction (softmax sums, attention accumulators, norms)."""
+    logits_dtype: Literal["fp32"] = "fp32"
+    """Dtype of LM-head logits, temperature division and log-softmax."""
+    contract_version: int = field(default=CONTRACT_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.row_tile < 1 or self.row_tile & (self.row_tile - 1):
+            raise ValueError(f"row_tile must be a power of two >= 1, got {self.row_tile}")
+        if self.kv_tile < 1 or self.kv_tile & (self.kv_tile - 1):
+            raise ValueError(f"kv_tile must be a power of two >= 1, got {self.kv_tile}")
+        dtype_of(self.compute_dtype)
+        if self.accum_dtype != "fp32" or self.logits_dtype != "fp32":
+            raise ValueError("accum_dtype and logits_dtype must be fp32")
+        if not self.backend or not self.backend.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"invalid backend name {self.backend!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_of(self.compute_dtype)
+
+    @property
+    def consistent(self) -> bool:
+        """False only for the fast backend, which makes no invariance promise."""
+        return self.backend != "fast"
+
+    def with_(self, **changes: object) -> KernelConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> KernelConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown KernelConfig fields: {sorted(unknown)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable string naming these constants, e.g. ``reference-r8-kv64-fp32-a1b2c3d4``."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(canon.encode()).hexdigest()[:8]
+        return f"{self.backend}-r{self.row_tile}-kv{self.kv_tile}-{self.compute_dtype}-v{self.contract_version}-{digest}"

@@ -1,0 +1,100 @@
+"""Where attention reads its keys and values from: whole sequences or a paged cache.
+
+``AttentionBatch`` says, for every query row, which sequence it belongs to and its absolute
+position. A K/V source is either ``ContiguousKV`` (training forward, packed sequences) or
+``PagedKV`` (rollout engine: page table + pages). Both are turned into the same dense per-sequence
+block layout by pure indexing (no arithmetic), so every path feeds the same tile routine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Query rows of one attention call, grouped by sequence.
+
+    ``q_index[s, i]`` is the packed query row of the i-th query of sequence ``s`` (or ``-1``),
+    ``q_pos[s, i]`` its absolute position (0 for padding), ``kv_lens[s]`` the number of K/V
+    positions sequence ``s`` may read (its queries see positions ``<= q_pos``).
+    """
+
+    q_index: Tensor  # [S, Mq] int64
+    q_pos: Tensor  # [S, Mq] int64
+    kv_lens: Tensor  # [S] int64
+    num_rows: int
+    max_kv_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_index.shape[0])
+
+    @staticmethod
+    def build(q_lens: list[int], q_starts: list[int], kv_lens: list[int], device: torch.device | str = "cpu",
+              ) -> AttentionBatch:
+        """Sequence ``s`` owns packed query rows ``[sum(q_lens[:s]), +q_lens[s])`` at positions
+        ``q_starts[s] ..``; it may read ``kv_lens[s] >= q_starts[s] + q_lens[s]`` K/V positions."""
+        if not (len(q_lens) == len(q_starts) == len(kv_lens)) or not q_lens:
+            raise ValueError("q_lens, q_starts and kv_lens must be equally long and non-empty")
+        mq = max(q_lens)
+        q_index = torch.full((len(q_lens), mq), -1, dtype=torch.int64)
+        q_pos = torch.zeros((len(q_lens), mq), dtype=torch.int64)
+        row = 0
+        for s, (n, start, kv) in enumerate(zip(q_lens, q_starts, kv_lens, strict=True)):
+            if n < 1 or start < 0 or kv < start + n:
+                raise ValueError(f"sequence {s}: q_len={n}, q_start={start}, kv_len={kv} are inconsistent")
+            q_index[s, :n] = torch.arange(row, row + n)
+            q_pos[s, :n] = torch.arange(start, start + n)
+            row += n
+        return AttentionBatch(
+            q_index=q_index.to(device), q_pos=q_pos.to(device),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int64, device=device),
+            num_rows=row, max_kv_len=max(kv_lens),
+        )
+
+
+@dataclass(frozen=True)
+class ContiguousKV:
+    """Keys/values of packed sequences: sequence ``s`` owns rows ``cu_seqlens[s]:cu_seqlens[s+1]``."""
+
+    k: Tensor  # [Nk, Hkv, D]
+    v: Tensor  # [Nk, Hkv, D]
+    cu_seqlens: Tensor  # [S+1] int64
+
+    def dense(self, length: int) -> tuple[Tensor, Tensor]:
+        """``[S, length, Hkv, D]`` views of every sequence; rows past a sequence's end hold other
+        (finite) rows and are always masked."""
+        starts = self.cu_seqlens[:-1, None]
+        idx = (starts + torch.arange(length, device=starts.device)).clamp_(max=self.k.shape[0] - 1)
+        return self.k[idx], self.v[idx]
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A paged K/V cache: ``page_table[s, j]`` is the page holding positions
+    ``[j*page_size, (j+1)*page_size)`` of sequence ``s`` (unused entries point at any valid page)."""
+
+    k_pages: Tensor  # [P, page_size, Hkv, D]
+    v_pages: Tensor  # [P, page_size, Hkv, D]
+    page_table: Tensor  # [S, max_pages] int64
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k_pages.shape[1])
+
+    def dense(self, length: int) -> tuple[Tensor, Tensor]:
+        pages = -(-length // self.page_size)
+        if pages > self.page_table.shape[1]:
+            raise ValueError(f"page table has {self.page_table.shape[1]} pages, {pages} needed")
+        table = self.page_table[:, :pages]
+        s = table.shape[0]
+        k = self.k_pages[table].reshape(s, pages * self.page_size, *self.k_pages.shape[2:])
+        v = self.v_pages[table].reshape(s, pages * self.page_size, *self.v_pages.shape[2:])
+        return k[:, :length], v[:, :length]
+
+
+KVSource = ContiguousKV | PagedKV

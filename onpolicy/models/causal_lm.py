@@ -1,0 +1,87 @@
+"""``CausalLM``: one model code path for Llama, Qwen3 and Qwen3-MoE, parameterised by the backend.
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` …) so HF and GGUF
+checkpoints load without renaming. ``hidden`` runs the decoder over packed token rows under an
+attention context (training or paged); ``logprobs`` applies the fp32 LM head and log-softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from onpolicy.kernels import Backend
+
+from .config import ModelConfig
+from .context import AttentionContext
+from .layers import DecoderLayer, Linear, RMSNorm
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int) -> tuple[Tensor, Tensor]:
+    """fp32 ``cos``/``sin`` ``[max_positions, head_dim]``, HF's default RoPE (``cat(freqs, freqs)``)."""
+    cpu = torch.device("cpu")  # explicit, so a model built under a meta-device context gets a real table
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.int64, device=cpu).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Backend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.model = Decoder(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
+        self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self._head_cache: tuple[tuple[int, int], Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def to_device(self, device: torch.device | str) -> CausalLM:
+        self.to(device)
+        self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+        return self
+
+    def hidden(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, ops: Backend | None = None,
+               ) -> Tensor:
+        """Final-normed hidden states ``[N, H]`` of packed token rows at absolute ``positions``."""
+        ops = ops or self.ops
+        if positions.numel() and int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx, ops)
+        return self.model.norm(x, ops)
+
+    def lm_head_fp32(self) -> Tensor:
+        """The LM-head weight in fp32 (tied to the embeddings when the config says so). Without
+        autograd the fp32 copy is cached until the weight changes; the cast is exact either way."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if torch.is_grad_enabled() or w.dtype == torch.float32:
+            return w.float()
+        key = (w.data_ptr(), w._version)
+        if self._head_cache is None or self._head_cache[0] != key:
+            self._head_cache = (key, w.detach().float())
+        return self._head_cache[1]
+
+    def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None) -> Tensor:
+        """fp32 log-softmax over the vocabulary of the rows of ``hidden`` at per-row ``temperature``."""
+        return (ops or self.ops).logprobs(hidden, self.lm_head_fp32(), temperature)

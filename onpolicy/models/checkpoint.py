@@ -1,0 +1,115 @@
+"""Checkpoint loading: HF directories (config.json + safetensors, sharded index) and GGUF files,
+into a ``CausalLM`` on a given backend, plus the weight checksum every service reports."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from onpolicy.kernels import Backend
+
+from .causal_lm import CausalLM
+from .config import ModelConfig
+from .tokenizer import Tokenizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not match its config."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: CausalLM
+    tokenizer: Tokenizer | None
+    weights_sha256: str
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_token_ids)
+        return tuple(sorted(ids))
+
+
+def weights_sha256(tensors: dict[str, Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def read_hf_dir(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    config = json.loads(cfg_file.read_text())
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights")
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{path}: missing shard {f.name}")
+        tensors.update(load_file(str(f)))
+    return config, tensors
+
+
+def read_hf_tokenizer(path: Path, config: dict) -> Tokenizer | None:
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        return None
+    template = None
+    eos: list[int] = []
+    tc = path / "tokenizer_config.json"
+    inner = tokenizers.Tokenizer.from_file(str(tok_file))
+    if tc.is_file():
+        tcfg = json.loads(tc.read_text())
+        template = tcfg.get("chat_template")
+        eos_tok = tcfg.get("eos_token")
+        if isinstance(eos_tok, str) and inner.token_to_id(eos_tok) is not None:
+            eos.append(inner.token_to_id(eos_tok))
+    return Tokenizer(inner, template, tuple(eos))
+
+
+def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str) -> CausalLM:
+    cfg = ModelConfig.from_hf(config)
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops)
+    expected = dict(model.named_parameters())
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: weights do not match the {cfg.family} config "
+                              f"(missing {missing[:3]}{'…' if len(missing) > 3 else ''}, "
+                              f"unexpected {unexpected[:3]}{'…' if len(unexpected) > 3 else ''})")
+    for name, param in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(t.shape)}, config implies {tuple(param.shape)}")
+    state = {k: tensors[k].to(ops.config.dtype) for k in expected}
+    model.load_state_dict(state, assign=True)
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,1 @@
+"""gRPC services (rollout, trainer, verifier, jobs) and their shared plumbing."""
