@@ -20,7 +20,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -89,7 +89,9 @@ _LLAMA3_SPLIT = (
 )
 # llama.cpp splits these on "\p{N}" first and then with the GPT-2 regex; the HF tokenizer.json of these
 # models (SmolLM/SmolLM2, StarCoder, ...) says the same as Sequence[Digits(individual), ByteLevel].
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
+_DIGITS_THEN_GPT2 = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+)
 _GPT2 = frozenset({"gpt-2", "gpt2", "default"})
 _LLAMA3 = frozenset({"llama3", "llama-v3", "llama-bpe"})
 
@@ -129,7 +131,7 @@ def smollm2_gguf_path() -> Path:
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Read a Llama-architecture GGUF file: config, dequantized float32 tensors, tokenizer, chat template."""
-    reader = gguf.GGUFReader(os.fspath(path), "r")
+    reader = _Reader(os.fspath(path), "r")
     meta = _Metadata(reader)
     arch = meta.require("general.architecture")
     if arch != "llama":
@@ -155,6 +157,23 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
 
 
 # --------------------------------------------------------------------------------------------- metadata
+
+
+class _Reader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ``ndarray`` view of its memory map.
+
+    The reader slices its map once or twice per metadata string, about 100k times for a 49k-token
+    vocabulary and its merges; ``np.memmap``'s per-slice bookkeeping makes that take seconds. A plain view
+    of the same read-only map parses identically, about 3x faster.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
 
 
 class _Metadata:
@@ -248,13 +267,17 @@ def permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     Works on a ``(n_head * head_dim, ...)`` weight or bias; pass the KV head count for ``k_proj``.
     """
     rest = weight.shape[1:]
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *rest).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *rest).transpose(1, 2).reshape(weight.shape)
+    )
 
 
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of :func:`permute_qk`: GGUF layout -> HF layout."""
     rest = weight.shape[1:]
-    return weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+    )
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -341,7 +364,7 @@ def _check_shape(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> N
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -354,7 +377,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     model = meta.require("tokenizer.ggml.model")
     if model != "gpt2":
-        raise NotImplementedError(f"tokenizer.ggml.model {model!r} is not supported, only byte-level BPE 'gpt2'.")
+        raise NotImplementedError(
+            f"tokenizer.ggml.model {model!r} is not supported, only byte-level BPE ('gpt2')."
+        )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     merges: list[str] = meta.require("tokenizer.ggml.merges")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -466,7 +491,9 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Like transformers: plain json.dumps instead of Jinja's HTML-escaping tojson.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -475,13 +502,12 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def _compile_chat_template(chat_template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    globals_: dict[str, Callable[..., Any]] = {
-        "raise_exception": _raise_exception,
-        "strftime_now": _strftime_now,
-    }
-    env.globals.update(globals_)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(chat_template)
 
 

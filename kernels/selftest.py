@@ -1,0 +1,290 @@
+"""Certify a backend on this machine: bitwise invariance probes on real random data.
+
+Each probe computes rows (or attention outputs) one way and another — alone and inside batches of
+1…N other rows at random positions, at 1 thread and at the default count, via training / prefill /
+chunked-prefill / paged-decode attention, via vectorised and scalar elementwise loops — and checks
+``torch.equal``. A backend is certified for a shape set only if every probe passes; the report is
+saved so services can refuse to start on an uncertified backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .backend import Backend
+from .config import KernelConfig
+from .kv import AttentionBatch, ContiguousKV, PagedKV
+from .registry import get_backend
+from .sampling import sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeShapes:
+    """The shapes of the model the backend is certified for."""
+
+    hidden: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    vocab: int = 320
+    num_experts: int = 8
+    top_k: int = 2
+
+
+@dataclass
+class ProbeResult:
+    name: str
+    passed: bool
+    checked: int
+    detail: str = ""
+
+
+@dataclass
+class SelftestReport:
+    backend: str
+    fingerprint: str
+    shapes: ProbeShapes
+    machine: dict[str, object]
+    probes: list[ProbeResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def certified(self) -> bool:
+        return bool(self.probes) and all(p.passed for p in self.probes)
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["certified"] = self.certified
+        return d
+
+
+def machine_info() -> dict[str, object]:
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+BATCH_SIZES = (1, 2, 3, 5, 8, 13, 31, 64)
+
+
+def _rows_probe(name: str, f: Callable[[Tensor], Tensor], x: Tensor, gen: torch.Generator) -> ProbeResult:
+    """Row invariance of a row-wise op: batch size, row position, other rows, thread count."""
+    full = f(x)
+    checked, failures = 0, []
+    for m in BATCH_SIZES:
+        if m > x.shape[0]:
+            break
+        checked += 1
+        if not torch.equal(f(x[:m]), full[:m]):
+            failures.append(f"batch {m}")
+    for _ in range(4):  # row i placed at a random position among other random rows
+        i = int(torch.randint(0, x.shape[0], (1,), generator=gen))
+        m = int(torch.randint(2, x.shape[0] + 1, (1,), generator=gen))
+        j = int(torch.randint(0, m, (1,), generator=gen))
+        others = torch.randn((m, *x.shape[1:]), generator=gen).to(x.dtype)
+        others[j] = x[i]
+        checked += 1
+        if not torch.equal(f(others)[j], full[i]):
+            failures.append(f"row {i} at position {j} of {m}")
+    with _threads(1):
+        one = f(x)
+    checked += 1
+    if not torch.equal(one, full):
+        failures.append("1 thread vs default")
+    return ProbeResult(name, not failures, checked, "; ".join(failures[:4]))
+
+
+def _elementwise_paths() -> ProbeResult:
+    """exp/log vectorised body vs scalar loop (strided input) vs single element."""
+    gen = torch.Generator().manual_seed(7)
+    failures, checked = [], 0
+    for name, f, lo, hi in (("exp", torch.exp, -90.0, 0.0), ("log", torch.log, 1e-30, 1.0)):
+        x = torch.rand(400_002, generator=gen) * (hi - lo) + lo
+        vec = f(x[::2].contiguous())
+        strided = f(x[::2])
+        single = torch.stack([f(x[2 * i:2 * i + 1])[0] for i in range(0, 200_001, 997)])
+        checked += 2
+        if not torch.equal(vec, strided):
+            failures.append(f"{name}: vector vs scalar loop differ on {(vec != strided).sum().item()} values")
+        if not torch.equal(vec[::997], single):
+            failures.append(f"{name}: single-element calls differ")
+    return ProbeResult("elementwise/exp-log-paths", not failures, checked, "; ".join(failures))
+
+
+def _attention_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torch.Generator) -> list[ProbeResult]:
+    tile = ops.config.kv_tile
+    lens = [1, tile - 1, tile, tile + 1, 2 * tile + 3, 3]
+    n = sum(lens)
+    q = torch.randn(n, s.num_heads, s.head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, s.num_kv_heads, s.head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, s.num_kv_heads, s.head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    scale = s.head_dim ** -0.5
+    train = ops.attention(q, ContiguousKV(k, v, cu), AttentionBatch.build(lens, [0] * len(lens), lens), scale)
+    # paged cache holding every sequence (pages scattered, page = 2 KV tiles)
+    page = 2 * tile
+    pages_per = [-(-n_ // page) for n_ in lens]
+    total = sum(pages_per) + 1
+    perm = torch.randperm(total, generator=gen).tolist()
+    kp = torch.zeros(total, page, s.num_kv_heads, s.head_dim, dtype=dtype)
+    vp = torch.zeros_like(kp)
+    table = torch.zeros(len(lens), max(pages_per), dtype=torch.int64)
+    used = 0
+    for i, ln in enumerate(lens):
+        for p in range(pages_per[i]):
+            table[i, p] = perm[used]
+            used += 1
+        for pos in range(ln):
+            kp[table[i, pos // page], pos % page] = k[cu[i] + pos]
+            vp[table[i, pos // page], pos % page] = v[cu[i] + pos]
+    results = []
+    checked, fails = 0, []
+    for i, ln in enumerate(lens):  # prefill each sequence alone
+        one = ops.attention(q[cu[i]:cu[i + 1]], ContiguousKV(k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]],
+                            torch.tensor([0, ln])), AttentionBatch.build([ln], [0], [ln]), scale)
+        checked += 1
+        if not torch.equal(one, train[cu[i]:cu[i + 1]]):
+            fails.append(f"seq {i} (len {ln})")
+    results.append(ProbeResult("attention/prefill-vs-training", not fails, checked, "; ".join(fails)))
+    checked, fails = 0, []
+    for i, ln in enumerate(lens):  # paged decode, one position at a time, all sequences batched
+        for pos in range(ln):
+            b = AttentionBatch.build([1], [pos], [pos + 1])
+            out = ops.attention(q[cu[i] + pos:cu[i] + pos + 1], PagedKV(kp, vp, table[i:i + 1]), b, scale)
+            checked += 1
+            if not torch.equal(out[0], train[cu[i] + pos]):
+                fails.append(f"seq {i} pos {pos}")
+    results.append(ProbeResult("attention/paged-decode-vs-training", not fails, checked, "; ".join(fails[:4])))
+    checked, fails = 0, []
+    for chunk in (1, 3, tile - 1, tile + 5):  # chunked prefill of all sequences together over the cache
+        q_lens, starts, rows = [], [], []
+        for i, ln in enumerate(lens):
+            start = min(ln - 1, chunk)
+            q_lens.append(ln - start)
+            starts.append(start)
+            rows.append(torch.arange(cu[i] + start, cu[i + 1]))
+        idx = torch.cat(rows)
+        b = AttentionBatch.build(q_lens, starts, lens)
+        out = ops.attention(q[idx], PagedKV(kp, vp, table), b, scale)
+        checked += 1
+        if not torch.equal(out, train[idx]):
+            fails.append(f"chunk start {chunk}")
+    results.append(ProbeResult("attention/chunked-prefill-paged-vs-training", not fails, checked, "; ".join(fails)))
+    with _threads(1):
+        one = ops.attention(q, ContiguousKV(k, v, cu), AttentionBatch.build(lens, [0] * len(lens), lens), scale)
+    results.append(ProbeResult("attention/threads", torch.equal(one, train), 1,
+                               "" if torch.equal(one, train) else "1 thread vs default"))
+    return results
+
+
+def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
+    b = 9
+    lp = torch.log_softmax(torch.randn(b, s.vocab, generator=gen) * 3, -1)
+    keys = torch.randint(-(2 ** 62), 2 ** 62, (b,), generator=gen)
+    steps = torch.arange(b) * 3
+    greedy = torch.tensor([False] * (b - 1) + [True])
+    together = sample(lp, keys, steps, greedy)
+    fails = [i for i in range(b) if not torch.equal(sample(lp[i:i + 1], keys[i:i + 1], steps[i:i + 1],
+                                                           greedy[i:i + 1]), together[i:i + 1])]
+    return ProbeResult("sampling/alone-vs-batch", not fails, b, f"rows {fails}" if fails else "")
+
+
+def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[str], None] | None = None,
+                 ) -> SelftestReport:
+    ops = get_backend(config)
+    t0 = time.perf_counter()
+    report = SelftestReport(config.backend, config.fingerprint, shapes, machine_info())
+    gen = torch.Generator().manual_seed(0)
+    dt = config.dtype
+    s = shapes
+
+    def rnd(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    def add(result: ProbeResult | list[ProbeResult]) -> None:
+        for r in result if isinstance(result, list) else [result]:
+            report.probes.append(r)
+            if progress:
+                progress(f"{'ok  ' if r.passed else 'FAIL'} {r.name} ({r.checked} checks){' ' + r.detail if r.detail else ''}")
+
+    add(_elementwise_paths())
+    rows = 64
+    linears = {"qkv": (s.hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
+               "o_proj": (s.num_heads * s.head_dim, s.hidden), "up": (s.hidden, s.intermediate),
+               "down": (s.intermediate, s.hidden)}
+    for lname, (k_in, k_out) in linears.items():
+        w = rnd(k_out, k_in) * 0.05
+        add(_rows_probe(f"linear/{lname}[{k_in}x{k_out}]", lambda a, w=w: ops.linear(a, w), rnd(rows, k_in), gen))
+    nw = rnd(s.hidden) + 1
+    add(_rows_probe("rmsnorm", lambda a: ops.rmsnorm(a, nw, 1e-6), rnd(rows, s.hidden), gen))
+    hw = rnd(s.head_dim) + 1
+    add(_rows_probe("rmsnorm/head", lambda a: ops.rmsnorm(a, hw, 1e-6), rnd(rows, s.num_heads, s.head_dim), gen))
+    cos, sin = torch.rand(rows, s.head_dim, generator=gen), torch.rand(rows, s.head_dim, generator=gen)
+    xr = rnd(rows, s.num_heads, s.head_dim)
+    full_r = ops.rope(xr, cos, sin)
+    ok = all(torch.equal(ops.rope(xr[i:i + 1], cos[i:i + 1], sin[i:i + 1]), full_r[i:i + 1]) for i in range(rows))
+    add(ProbeResult("rope", ok, rows, "" if ok else "row alone differs"))
+    i_ = s.intermediate  # a row carries both operands: [gate | up]
+    add(_rows_probe("swiglu", lambda a: ops.swiglu(a[:, :i_], a[:, i_:]), rnd(rows, 2 * i_) * 4, gen))
+    lm = rnd(s.vocab, s.hidden) * 0.05
+    xt = torch.cat([rnd(rows, s.hidden), (torch.rand(rows, 1, generator=gen) + 0.3).to(dt)], 1)
+    add(_rows_probe("logprobs/lm-head-log-softmax",  # a row carries [hidden | temperature]
+                    lambda a: ops.logprobs(a[:, :-1], lm, a[:, -1].float().abs() + 0.3), xt, gen))
+    e = max(2, s.num_experts)
+    add(_rows_probe("moe/route", lambda a: ops.moe_route(a, min(s.top_k, e), True).weights,
+                    torch.randn(rows, e, generator=gen), gen))
+    add(_rows_probe("moe/route-ids", lambda a: ops.moe_route(a, min(s.top_k, e), True).experts,
+                    torch.randn(rows, e, generator=gen).round(), gen))
+    add(_attention_probe(ops, s, dt, gen))
+    add(_sampling_probe(s, gen))
+    report.seconds = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def certificate_path(config: KernelConfig) -> Path:
+    home = Path(os.environ.get("ONPOLICY_HOME", Path.home() / ".cache" / "onpolicy"))
+    m = machine_info()
+    key = hashlib.sha256(json.dumps([m["processor"], m["cpu_capability"], m["torch"]]).encode()).hexdigest()[:10]
+    return home / "certificates" / f"{config.fingerprint}-{key}.json"
+
+
+def save_certificate(report: SelftestReport, config: KernelConfig) -> Path:
+    """Atomically write the report where ``is_certified`` finds it."""
+    path = certificate_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(report.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def is_certified(config: KernelConfig) -> bool:
+    path = certificate_path(config)
+    try:
+        return bool(json.loads(path.read_text()).get("certified"))
+    except (OSError, ValueError):
+        return False

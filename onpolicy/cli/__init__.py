@@ -1,0 +1,1 @@
+"""The ``onpolicy`` command line: one module per subcommand, wired in ``main``."""

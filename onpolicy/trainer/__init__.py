@@ -1,0 +1,1 @@
+"""The trainer engine: the training-path forward (teacher-forced, packed) and, later, RL steps."""
