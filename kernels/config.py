@@ -86,4 +86,5 @@ class KernelConfig:
         """Stable string naming these constants, e.g. ``reference-r8-kv64-fp32-a1b2c3d4``."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(canon.encode()).hexdigest()[:8]
-        return f"{self.backend}-r{self.row_tile}-kv{self.kv_tile}-{self.compute_dtype}-v{self.contract_version}-{digest}"
+        consts = f"r{self.row_tile}-kv{self.kv_tile}-{self.compute_dtype}-v{self.contract_version}"
+        return f"{self.backend}-{consts}-{digest}"

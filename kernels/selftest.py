@@ -229,7 +229,8 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
         for r in result if isinstance(result, list) else [result]:
             report.probes.append(r)
             if progress:
-                progress(f"{'ok  ' if r.passed else 'FAIL'} {r.name} ({r.checked} checks){' ' + r.detail if r.detail else ''}")
+                detail = f" {r.detail}" if r.detail else ""
+                progress(f"{'ok  ' if r.passed else 'FAIL'} {r.name} ({r.checked} checks){detail}")
 
     add(_elementwise_paths())
     rows = 64

@@ -42,7 +42,8 @@ class ModelConfig:
             raise ValueError("model config: num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
             raise ValueError("model config: head_dim must be even for rotary embeddings")
-        if self.family == "qwen3_moe" and (self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts):
+        moe_ok = 1 <= self.num_experts_per_tok <= self.num_experts
+        if self.family == "qwen3_moe" and not moe_ok:
             raise ValueError("model config: qwen3_moe needs num_experts >= num_experts_per_tok >= 1")
 
     @property
