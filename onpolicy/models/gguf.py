@@ -37,7 +37,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-__all__ = ["GGUFCheckpoint", "read_gguf", "render_chat", "smollm2_gguf_path"]
+__all__ = ["GGUFCheckpoint", "permute_qk", "read_gguf", "render_chat", "smollm2_gguf_path", "unpermute_qk"]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

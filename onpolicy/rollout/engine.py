@@ -1,0 +1,170 @@
+"""``RolloutEngine``: requests in, completions out — the step loop joining scheduler, block manager
+and model runner, with weight updates that invalidate the prefix cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from onpolicy.models.checkpoint import LoadedModel
+
+from .block_manager import BlockManager
+from .kv_cache import KVCache
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Completion, SamplingParams, Sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    """Most requests in the running batch at once."""
+    max_batched_tokens: int = 2048
+    """Most token rows computed in one step (prefill chunks + decodes)."""
+    page_size: int | None = None
+    """Positions per KV page; a multiple of the KV tile (default: the KV tile)."""
+    kv_cache_tokens: int = 32768
+    """KV cache capacity in token positions (fixed memory budget, allocated up front)."""
+    prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batched_tokens", "kv_cache_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
+    seconds: float = 0.0
+
+
+class RolloutEngine:
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.lm = lm
+        self.config = config or EngineConfig()
+        kv_tile = lm.model.ops.config.kv_tile
+        page = self.config.page_size or kv_tile
+        if page % kv_tile:
+            raise ValueError(f"page_size {page} must be a multiple of the KV tile {kv_tile}")
+        cfg = lm.config
+        num_pages = max(1, self.config.kv_cache_tokens // page)
+        self.cache = KVCache(cfg.num_layers, num_pages, page, cfg.num_kv_heads, cfg.head_dim, lm.model.dtype,
+                             lm.model.device)
+        self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens)
+        self.runner = ModelRunner(lm.model, self.cache)
+        self.weight_version = 0
+        self.stats = EngineStats()
+        self._seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_pages * self.blocks.page_size
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        cfg = self.lm.config
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if len(prompt_ids) >= cfg.max_position_embeddings:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's "
+                             f"{cfg.max_position_embeddings} positions")
+        if total > self.capacity_tokens:
+            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache capacity "
+                             f"({self.capacity_tokens} tokens)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int = 0) -> list[int]:
+        """Queue ``params.n`` samples of one prompt; returns their sequence ids."""
+        self.validate(prompt_ids, params)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.lm.eos_token_ids)
+        ids = []
+        for i in range(params.n):
+            seq = Sequence(self._next_id, prompt_index, i, tuple(prompt_ids), params, frozenset(stop))
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+            ids.append(seq.seq_id)
+            self._next_id += 1
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Completion]:
+        """One engine step; returns the completions that finished in it."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+        sampled = self.runner.run(out)
+        for s in out.scheduled:
+            s.seq.num_computed = s.start + s.num_tokens
+            self.blocks.register_full_pages(s.seq)
+        done: list[Completion] = []
+        max_pos = self.lm.config.max_position_embeddings
+        for tok in sampled:
+            seq = self._seqs[tok.seq_id]
+            seq.tokens.append(tok.token)
+            seq.logprobs.append(tok.logprob)
+            reason = None
+            if tok.token in seq.stop_ids:
+                reason = "stop"
+            elif len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= max_pos:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                done.append(self._completion(seq))
+                del self._seqs[seq.seq_id]
+        self.stats.steps += 1
+        self.stats.tokens_computed += out.num_tokens
+        self.stats.tokens_generated += len(sampled)
+        self.stats.seconds += time.perf_counter() - t0
+        return done
+
+    def _completion(self, seq: Sequence) -> Completion:
+        return Completion(prompt_index=seq.prompt_index, sample_index=seq.sample_index, prompt_ids=seq.prompt_ids,
+                          token_ids=tuple(seq.generated), logprobs=tuple(seq.logprobs),
+                          finish_reason=seq.finish_reason or "length", weight_version=self.weight_version,
+                          temperature=seq.params.logprob_temperature)
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams,
+                 progress: Callable[[EngineStats, int, int], None] | None = None) -> list[Completion]:
+        """Run prompts to completion; completions come back ordered by (prompt, sample index)."""
+        total = 0
+        for i, p in enumerate(prompts):
+            total += len(self.add_request(list(p), params, prompt_index=i))
+        done: list[Completion] = []
+        while self.has_unfinished():
+            done.extend(self.step())
+            if progress:
+                progress(self.stats, len(done), total)
+        return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights (same names and shapes) and drop the now-stale prefix cache."""
+        if self.has_unfinished():
+            raise RuntimeError("cannot update weights while requests are in flight")
+        params = dict(self.lm.model.named_parameters())
+        missing = set(params) - set(state)
+        if missing:
+            raise ValueError(f"weight update is missing {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                src = state[name]
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"weight update: {name} has shape {tuple(src.shape)}, expected {tuple(p.shape)}")
+            for name, p in params.items():
+                p.copy_(state[name].to(p.dtype))
+        self.blocks.reset_prefix_cache()
+        self.weight_version = version

@@ -1,0 +1,64 @@
+"""``ModelRunner``: turns a ``SchedulerOutput`` into tensors, runs the model over the paged cache,
+and samples the next token of every request whose chunk reached its end. The only owner of tensors
+in the rollout engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onpolicy.kernels import AttentionBatch
+from onpolicy.kernels.sampling import sample
+from onpolicy.models.causal_lm import CausalLM
+
+from .kv_cache import KVCache, PagedContext
+from .scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token: int
+    logprob: float
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+
+    @torch.no_grad()
+    def run(self, out: SchedulerOutput) -> list[SampledToken]:
+        device = self.model.device
+        page = self.cache.page_size
+        ids: list[int] = []
+        slots: list[int] = []
+        for s in out.scheduled:
+            toks = s.seq.tokens[s.start:s.start + s.num_tokens]
+            ids.extend(toks)
+            table = s.seq.block_table
+            slots.extend(table[p // page] * page + p % page for p in range(s.start, s.start + s.num_tokens))
+        q_lens = [s.num_tokens for s in out.scheduled]
+        starts = [s.start for s in out.scheduled]
+        batch = AttentionBatch.build(q_lens, starts, [a + b for a, b in zip(starts, q_lens, strict=True)], device)
+        width = max(len(s.seq.block_table) for s in out.scheduled)
+        table = torch.zeros((len(out.scheduled), width), dtype=torch.int64)
+        for i, s in enumerate(out.scheduled):
+            table[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int64)
+        positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens, strict=True)]).to(device)
+        ctx = PagedContext(self.cache, batch, table.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
+        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions, ctx)
+        sampled = [s for s in out.scheduled if s.samples]
+        if not sampled:
+            return []
+        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
+        rows = torch.stack([ends[i] for i, s in enumerate(out.scheduled) if s.samples])
+        temps = torch.tensor([s.seq.params.logprob_temperature for s in sampled], dtype=torch.float32, device=device)
+        lp = self.model.logprobs(hidden[rows], temps)
+        keys = torch.tensor([s.seq.key for s in sampled], dtype=torch.int64, device=device)
+        steps = torch.tensor([len(s.seq.generated) for s in sampled], dtype=torch.int64, device=device)
+        greedy = torch.tensor([s.seq.params.greedy for s in sampled], device=device)
+        tokens = sample(lp, keys, steps, greedy)
+        token_lp = lp.gather(1, tokens[:, None])[:, 0]
+        return [SampledToken(s.seq.seq_id, int(t), float(v))
+                for s, t, v in zip(sampled, tokens.tolist(), token_lp.tolist(), strict=True)]
