@@ -7,10 +7,10 @@ import os
 import sys
 from typing import NoReturn
 
-from . import logprobs_cmd, selftest_cmd
+from . import consistency_cmd, generate_cmd, logprobs_cmd, selftest_cmd
 from .common import UsageError
 
-COMMANDS = [selftest_cmd, logprobs_cmd]
+COMMANDS = [selftest_cmd, logprobs_cmd, generate_cmd, consistency_cmd]
 
 
 class _Parser(argparse.ArgumentParser):

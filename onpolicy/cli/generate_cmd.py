@@ -1,0 +1,122 @@
+"""``onpolicy generate``: sample completions with the rollout engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+from onpolicy.rollout.engine import EngineStats
+
+from .common import add_model_args, emit_json, fail, kernel_config, load
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch (default 32)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="token rows per step (default 2048)")
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="on")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions with token logprobs (rollout engine)")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one text prompt")
+    src.add_argument("--prompts", help='JSONL file of {"prompt": "..."} or {"prompt_ids": [...]} lines')
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="do not apply the model's chat template to text prompts")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                            prefix_cache=args.prefix_cache == "on")
+    except ValueError as e:
+        fail(str(e))
+
+
+def read_prompts(args: argparse.Namespace, lm: LoadedModel) -> list[list[int]]:
+    items: list[dict] = []
+    if args.prompt is not None:
+        items.append({"prompt": args.prompt})
+    else:
+        path = Path(args.prompts)
+        if not path.is_file():
+            fail(f"{args.prompts}: no such file")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{args.prompts}:{n}: not valid JSON ({e.msg})")
+            if not isinstance(obj, dict) or not ({"prompt", "prompt_ids"} & set(obj)):
+                fail(f'{args.prompts}:{n}: expected {{"prompt": "..."}} or {{"prompt_ids": [...]}}')
+            items.append(obj)
+        if not items:
+            fail(f"{args.prompts}: no prompts")
+    prompts = []
+    for n, obj in enumerate(items):
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in ids):
+                fail(f"prompt {n}: prompt_ids must be a non-empty list of integers")
+            prompts.append(ids)
+        else:
+            text = obj["prompt"]
+            if not isinstance(text, str) or not text:
+                fail(f"prompt {n}: prompt must be a non-empty string")
+            if lm.tokenizer is None:
+                fail(f"model {lm.name} has no tokenizer: give prompt_ids instead of text")
+            prompts.append(lm.tokenizer.encode(text if args.raw else lm.tokenizer.chat_prompt(text)))
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.n,
+                                seed=args.seed)
+    except ValueError as e:
+        fail(str(e))
+    ecfg = engine_config(args)
+    config = kernel_config(args)
+    lm = load(args, config)
+    prompts = read_prompts(args, lm)
+    engine = RolloutEngine(lm, ecfg)
+    last = [0.0]
+
+    def progress(stats: EngineStats, done: int, total: int) -> None:
+        if stats.seconds - last[0] >= 1.0 or done == total:
+            last[0] = stats.seconds
+            rate = stats.tokens_generated / stats.seconds if stats.seconds else 0.0
+            print(f"\r{done}/{total} completions, {stats.tokens_generated} tokens, {rate:.1f} tokens/s",
+                  end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    try:
+        comps = engine.generate(prompts, params, progress=None if args.json else progress)
+    except ValueError as e:
+        fail(str(e))
+    decode = lm.tokenizer.decode if lm.tokenizer is not None else None
+    if args.json:
+        emit_json({"model": lm.name, "kernel_fingerprint": config.fingerprint, "weight_sha256": lm.weights_sha256,
+                   "completions": [{"prompt_index": c.prompt_index, "sample_index": c.sample_index,
+                                    "prompt_ids": list(c.prompt_ids), "token_ids": list(c.token_ids),
+                                    "logprobs": list(c.logprobs), "temperature": c.temperature,
+                                    "text": decode(list(c.token_ids)) if decode else None,
+                                    "finish_reason": c.finish_reason} for c in comps]})
+    else:
+        for c in comps:
+            text = decode(list(c.token_ids)) if decode else " ".join(map(str, c.token_ids))
+            print(f"--- prompt {c.prompt_index} sample {c.sample_index} ({len(c.token_ids)} tokens, "
+                  f"{c.finish_reason}, sum logprob {sum(c.logprobs):.3f})\n{text}")
+    return 0

@@ -1,0 +1,1 @@
+"""Checking rollout logprobs against the training path: logdiff statistics and the consistency run."""

@@ -1,0 +1,77 @@
+"""Shared fixtures: the model cache, session-wide tiny models, thread-count control, hypothesis profile.
+
+ONPOLICY_HOME
+    Tiny checkpoints (``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``) are built offline from
+    transformers' config classes (~3 s each) and cached under ``$ONPOLICY_HOME/models``. Their
+    directory name is a hash of (spec, seed) and the build is an atomic rename, so a cache shared
+    with the user (or with parallel test workers) can never hand out a stale or half-written model.
+    We therefore keep the user's ``ONPOLICY_HOME`` when it is set and otherwise pin it to the
+    library's own default (``~/.cache/onpolicy``), exported so CLI subprocesses agree with the test
+    process. Tests that *write* other state there (self-test certificates) use the ``tmp_home``
+    fixture instead: a fresh per-test home whose ``models`` entry links to the shared model cache.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+if not os.environ.get("ONPOLICY_HOME"):
+    os.environ["ONPOLICY_HOME"] = str(Path.home() / ".cache" / "onpolicy")
+SHARED_HOME = Path(os.environ["ONPOLICY_HOME"])
+
+TINY_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+
+# Example counts are set per test (kept small for the CPU budget); the profile only removes the
+# per-example deadline, which is meaningless on a shared 2-core box.
+settings.register_profile(
+    "onpolicy", deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "onpolicy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_paths() -> dict[str, Path]:
+    """Build (or find) every tiny checkpoint once, before any subprocess could race to build it."""
+    from onpolicy.models.tiny import tiny_checkpoint
+
+    return {name: tiny_checkpoint(name) for name in TINY_MODELS}
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_paths: dict[str, Path]) -> Callable[..., object]:
+    """``load_tiny(name, compute_dtype="fp32", kv_tile=16, backend="reference")`` -> ``LoadedModel``,
+    loaded once per session per argument set. Shared: do not mutate (use ``fresh=True`` for a
+    private copy, e.g. to switch on ``requires_grad``)."""
+    from onpolicy.kernels import KernelConfig, get_backend
+    from onpolicy.models.registry import load_model
+
+    cache: dict[tuple[str, str, int, str], object] = {}
+
+    def load(name: str, compute_dtype: str = "fp32", kv_tile: int = 16, backend: str = "reference",
+             fresh: bool = False) -> object:
+        key = (name, compute_dtype, kv_tile, backend)
+        if fresh:
+            return load_model(name, get_backend(KernelConfig(backend=backend, compute_dtype=compute_dtype,
+                                                             kv_tile=kv_tile)))
+        if key not in cache:
+            cache[key] = load(*key, fresh=True)
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture
+def tmp_home(tmp_path: Path, tiny_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private ONPOLICY_HOME for tests that write state; ``models`` links to the shared cache."""
+    home = tmp_path / "onpolicy-home"
+    home.mkdir()
+    (home / "models").symlink_to(SHARED_HOME / "models", target_is_directory=True)
+    monkeypatch.setenv("ONPOLICY_HOME", str(home))
+    return home
