@@ -1,12 +1,17 @@
 """Maps the top-level folders into the ``onpolicy.*`` namespace (DESIGN §2).
 
-``kernels/`` installs as ``onpolicy.kernels`` and ``services/`` as ``onpolicy.services``; nothing is
-installed as a top-level ``kernels`` or ``services`` package.
+``kernels/`` installs as ``onpolicy.kernels``, ``services/`` as ``onpolicy.services`` and ``bench/`` as
+``onpolicy.bench``; nothing is installed as a top-level ``kernels``, ``services`` or ``bench`` package.
 """
 
 from setuptools import find_packages, setup
 
-ROOTS = {"onpolicy": "onpolicy", "onpolicy.kernels": "kernels", "onpolicy.services": "services"}
+ROOTS = {
+    "onpolicy": "onpolicy",
+    "onpolicy.kernels": "kernels",
+    "onpolicy.services": "services",
+    "onpolicy.bench": "bench",
+}
 
 packages: list[str] = []
 package_dir: dict[str, str] = {}

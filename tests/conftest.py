@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
 if not os.environ.get("ONPOLICY_HOME"):
@@ -50,6 +49,7 @@ def load_tiny(tiny_paths: dict[str, Path]) -> Callable[..., object]:
     loaded once per session per argument set. Shared: do not mutate (use ``fresh=True`` for a
     private copy, e.g. to switch on ``requires_grad``)."""
     from onpolicy.kernels import KernelConfig, get_backend
+
     from onpolicy.models.registry import load_model
 
     cache: dict[tuple[str, str, int, str], object] = {}

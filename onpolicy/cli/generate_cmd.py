@@ -36,10 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, need_tokens: int | None = None) -> EngineConfig:
+    """Engine options from the command line; the KV cache is sized to what the requests can use
+    (at most the engine default), so a small job does not allocate the whole budget."""
     try:
+        cap = EngineConfig().kv_cache_tokens
+        tokens = cap if need_tokens is None else max(64, min(cap, need_tokens))
         return EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                            prefix_cache=args.prefix_cache == "on")
+                            prefix_cache=args.prefix_cache == "on", kv_cache_tokens=tokens)
     except ValueError as e:
         fail(str(e))
 
@@ -88,11 +92,13 @@ def run(args: argparse.Namespace) -> int:
                                 seed=args.seed)
     except ValueError as e:
         fail(str(e))
-    ecfg = engine_config(args)
+    engine_config(args)  # validate engine options before loading the model
     config = kernel_config(args)
     lm = load(args, config)
     prompts = read_prompts(args, lm)
-    engine = RolloutEngine(lm, ecfg)
+    page = config.kv_tile
+    need = sum(-(-(len(p) + args.max_new_tokens) // page) * page for p in prompts) * args.n
+    engine = RolloutEngine(lm, engine_config(args, need))
     last = [0.0]
 
     def progress(stats: EngineStats, done: int, total: int) -> None:

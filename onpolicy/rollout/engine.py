@@ -26,8 +26,9 @@ class EngineConfig:
     """Most token rows computed in one step (prefill chunks + decodes)."""
     page_size: int | None = None
     """Positions per KV page; a multiple of the KV tile (default: the KV tile)."""
-    kv_cache_tokens: int = 32768
-    """KV cache capacity in token positions (fixed memory budget, allocated up front)."""
+    kv_cache_tokens: int = 16384
+    """KV cache capacity in token positions (fixed memory budget, allocated up front; SmolLM2-135M
+    needs 46 KiB per position in fp32, so the default is ~0.75 GiB)."""
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:

@@ -114,15 +114,17 @@ def run_consistency(lm: LoadedModel, *, requests: int = 16, max_new_tokens: int 
         say(f"schedule {name}: {res.tokens} tokens in {res.seconds:.1f}s, identical to alone: {same}")
 
     t0 = time.perf_counter()
-    alone_cfg = EngineConfig(max_num_seqs=1, prefix_cache=False)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    alone_cfg = EngineConfig(max_num_seqs=1, prefix_cache=False, kv_cache_tokens=longest + 2 * page)
     alone = [_run(lm, [p], params, alone_cfg, None)[0] for p in prompts]
     alone = [replace(c, prompt_index=i) for i, c in enumerate(alone)]
     record("alone", alone_cfg, False, alone, t0, None)
-    runs = [("together", EngineConfig(), None)]
+    need = sum(len(p) + max_new_tokens + 2 * page for p in prompts)
+    runs = [("together", EngineConfig(kv_cache_tokens=need), None)]
     for k in range(schedules):
         cfg = EngineConfig(max_num_seqs=rng.choice([2, 3, 5, 8]), max_batched_tokens=rng.choice([7, 16, 33, 64, 100]),
                            page_size=page * rng.choice([1, 2]), prefix_cache=bool(k % 2 == 0),
-                           kv_cache_tokens=rng.choice([4096, 16384]))
+                           kv_cache_tokens=max(4 * longest, need // rng.choice([1, 2, 4])))
         runs.append((f"random-{k}", cfg, random.Random(seed * 1000 + k)))
     all_runs = [alone]
     for name, cfg, stagger in runs:

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from onpolicy.kernels import (
     KernelConfig,
     available_backends,
