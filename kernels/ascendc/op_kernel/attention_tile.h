@@ -182,6 +182,7 @@ public:
                                     const GlobalTensor<float> *dst_ws)
     {
         const int32_t qStart = seqs_.QStart(task.seq);
+        Fence<HardEvent::V_MTE2>();  // the vector unit is done with stageT_
         DataCopyExtParams row{1, static_cast<uint32_t>(d_ * sizeof(T)), 0, 0, 0};
         for (int32_t r = 0; r < task.valid_rows; ++r) {
             const int32_t rowIdx = task.first_row + r;
@@ -214,6 +215,7 @@ public:
                                      const GlobalTensor<float> &dst_ws, const LocalTensor<float> *keep)
     {
         const LocalTensor<float> &f = keep != nullptr ? *keep : stageF_;
+        Fence<HardEvent::V_MTE2>();  // the vector unit is done with the staging buffers
         if (valid > 0) {
             DataCopyExtParams rows{static_cast<uint16_t>(valid), static_cast<uint32_t>(d_ * sizeof(T)),
                                    static_cast<uint32_t>((g_.num_kv_heads - 1) * d_ * sizeof(T)), 0, 0};
@@ -241,7 +243,8 @@ public:
         Fence<HardEvent::MTE3_S>();  // operands written by this core are in GM before the request
         mm.SetTensorA(a, trans_a);
         mm.SetTensorB(b, trans_b);
-        mm.template IterateAll<true>(res);
+        mm.template IterateAll<true>(res);  // synchronous: the result is in GM on return
+        Fence<HardEvent::V_MTE2>();          // the vector unit is done with `out`
         DataCopy(out, res, count);
         Fence<HardEvent::MTE2_V>();
     }
@@ -311,6 +314,7 @@ public:
             DataCopyPad(dst[off], stageT_[r * d_], row);
         }
         Fence<HardEvent::MTE3_MTE2>();
+        Fence<HardEvent::MTE3_V>();
     }
 
 protected:

@@ -49,6 +49,7 @@ private:
     /* x_[0:n] = logits[row, c0:c0+n] / t; returns the 64-column groups covering n. */
     __aicore__ inline int32_t LoadScaled(int64_t base, int32_t c0, int32_t n)
     {
+        Fence<HardEvent::V_MTE2>();  // the vector unit is done with x_
         DataCopyExtParams p{1, static_cast<uint32_t>(n * sizeof(float)), 0, 0, 0};
         DataCopyPad(x_, xGm_[base + c0], p, DataCopyPadExtParams<float>{false, 0, 0, 0});
         Fence<HardEvent::MTE2_V>();
@@ -109,6 +110,7 @@ private:
             DataCopyExtParams p{1, static_cast<uint32_t>(n * sizeof(float)), 0, 0, 0};
             DataCopyPad(yGm_[base + c0], x_, p);
             Fence<HardEvent::MTE3_MTE2>();
+            Fence<HardEvent::MTE3_V>();
         }
     }
 

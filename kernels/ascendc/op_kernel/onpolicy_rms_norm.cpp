@@ -50,6 +50,7 @@ private:
     __aicore__ inline int32_t Load(const GlobalTensor<T> &src, int64_t base, int32_t c0, int32_t n,
                                    const LocalTensor<float> &dst)
     {
+        Fence<HardEvent::V_MTE2>();  // the vector unit is done with in_
         DataCopyExtParams p{1, static_cast<uint32_t>(n * sizeof(T)), 0, 0, 0};
         DataCopyPad(in_, src[base + c0], p, DataCopyPadExtParams<T>{false, 0, 0, 0});
         Fence<HardEvent::MTE2_V>();
@@ -120,6 +121,7 @@ private:
             DataCopyExtParams p{1, static_cast<uint32_t>(n * sizeof(T)), 0, 0, 0};
             DataCopyPad(yGm_[base + c0], in_, p);
             Fence<HardEvent::MTE3_MTE2>();
+            Fence<HardEvent::MTE3_V>();
         }
     }
 
