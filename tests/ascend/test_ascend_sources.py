@@ -62,12 +62,12 @@ def test_operator_interface_agrees_across_layers() -> None:
         assert inputs == [d["name"] for d in js["input_desc"]], op_type
         assert outputs == [d["name"] for d in js["output_desc"]], op_type
         assert attrs == [a["name"] for a in js.get("attr", [])], op_type
-        # kernel entry: inputs, outputs, workspace, tiling (names may differ, count and order of roles not)
+        # kernel entry: inputs, outputs, workspace, tiling — same names, same order
         kernel = (ASCENDC / "op_kernel" / f"{stem}.cpp").read_text()
         entry = re.search(rf"void {stem}\(([^)]*)\)", kernel)
         assert entry, f"no kernel entry {stem}"
         params = [p.split()[-1] for p in entry.group(1).split(",")]
-        assert params[-2:] == ["workspace", "tiling"] and len(params) == len(inputs) + len(outputs) + 2, op_type
+        assert params == [*inputs, *outputs, "workspace", "tiling"], (op_type, params)
         # aclnn call of the torch extension: inputs, then attributes, then outputs
         call = re.search(rf"EXEC_NPU_CMD_EXT\(aclnn{op_type},([^;]*)\);", ext)
         assert call, f"no aclnn{op_type} call"

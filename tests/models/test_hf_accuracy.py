@@ -28,7 +28,7 @@ SHAPES = [(1, 1), (5, 30), (17, 3), (3, 50), (40, 9), (2, 2)]
 TEMPS = [1.0, 0.7, 1.0, 1.6, 1.0, 0.5]
 
 
-def make_seqs(seed: int, vocab: int, avoid: set[int] = frozenset()) -> list[ScoredSequence]:  # type: ignore[assignment]
+def make_seqs(seed: int, vocab: int, avoid: frozenset[int] = frozenset()) -> list[ScoredSequence]:
     rng = random.Random(seed)
     ids = [t for t in range(vocab) if t not in avoid]
     return [ScoredSequence(tuple(rng.choice(ids) for _ in range(p)), tuple(rng.choice(ids) for _ in range(c)), t)
@@ -98,7 +98,7 @@ def test_gradients_match_transformers(load_tiny: Callable[..., object], name: st
     model.requires_grad_(True)
     hf = hf_model(name)
     # HF freezes the pad row of the embedding (nn.Embedding(padding_idx)); see the xfail test below
-    seqs = make_seqs(12, model.config.vocab_size, avoid={PAD_ID})
+    seqs = make_seqs(12, model.config.vocab_size, avoid=frozenset({PAD_ID}))
 
     ours = sequence_logprobs(model, seqs, pack_tokens=4096)
     torch.stack([lp.sum() for lp in ours]).sum().backward()

@@ -9,10 +9,9 @@ Ascend C operators themselves come from the custom OPP package built by ``../bui
 import glob
 import os
 
+import torch_npu
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension
-
-import torch_npu  # noqa: F401  (the extension links against it)
 from torch_npu.utils.cpp_extension import NpuExtension
 
 HERE = os.path.dirname(os.path.realpath(__file__))

@@ -5,12 +5,10 @@ Import only on a machine with torch_npu; ``onpolicy.kernels.ascend`` does so laz
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch_npu  # noqa: F401  (registers the NPU device before the extension loads)
 
-importlib.import_module(".".join([__name__, "_C"]))
+from . import _C  # noqa: F401  (TORCH_LIBRARY(onpolicy, ...) runs when the library loads)
 
 OPS = ("flash_attention", "flash_attention_grad", "paged_attention", "matmul", "rms_norm", "log_softmax")
 

@@ -1,0 +1,165 @@
+"""``JobSpec``: what a user writes as YAML (``onpolicy submit job.yaml``) and the controller runs.
+
+Field names equal those of the ``onpolicy.v1.JobSpec`` message, so the typed message and this model
+convert into each other field by field; this model is where every value is validated (an invalid
+spec is answered with ``INVALID_ARGUMENT`` naming the field).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .rewards import REWARDS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetSpec(_Strict):
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """``arithmetic``: generated ``a op b`` problems; ``jsonl``: lines of ``{"prompt", "answer"}``."""
+    path: str = ""
+    size: int = Field(256, ge=1, le=1_000_000)
+    max_operand: int = Field(20, ge=1, le=1_000_000)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> DatasetSpec:
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("path is required when kind is jsonl")
+        return self
+
+
+class RewardSpec(_Strict):
+    name: str
+    weight: float = 1.0
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        if v not in REWARDS:
+            raise ValueError(f"unknown reward {v!r}; registered: {sorted(REWARDS)}")
+        return v
+
+
+class GRPOSpec(_Strict):
+    group_size: int = Field(4, ge=2, le=256)
+    prompts_per_step: int = Field(4, ge=1, le=4096)
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.28, ge=0.0, le=10.0)
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    epochs: int = Field(1, ge=1, le=100)
+    minibatches: int = Field(1, ge=1, le=4096)
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    grad_clip: float = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    recompute_old_logprobs: bool = False
+    """Recompute old logprobs on the trainer (the baseline; unnecessary when logdiff is 0)."""
+
+
+class RolloutSpec(_Strict):
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    max_new_tokens: int = Field(32, ge=1, le=32768)
+    kernels: Literal["consistent", "fast"] = "consistent"
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    max_batched_tokens: int = Field(2048, ge=1, le=1 << 20)
+
+
+class CheckpointSpec(_Strict):
+    dir: str = ""
+    """Shared storage for checkpoints and weight versions (default: under the controller's state dir)."""
+    interval: int = Field(0, ge=0)
+
+
+class KernelSpec(_Strict):
+    backend: Literal["reference", "ascend"] = "reference"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    kv_tile: int = Field(64, ge=1, le=4096)
+
+    @field_validator("kv_tile")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("kv_tile must be a power of two")
+        return v
+
+
+class VerifierSpec(_Strict):
+    sample_fraction: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class ResourceSpec(_Strict):
+    cpus: float = Field(1.0, ge=0.0, le=1024)
+    npus: int = Field(0, ge=0, le=64)
+
+
+ROLES = ("rollout", "trainer", "verifier")
+
+
+class JobSpec(_Strict):
+    name: str = Field("", max_length=128)
+    model: str = Field("smollm2", min_length=1, max_length=4096)
+    dataset: DatasetSpec = DatasetSpec()
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="exact_answer")], min_length=1)
+    grpo: GRPOSpec = GRPOSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    steps: int = Field(3, ge=1, le=1_000_000)
+    seed: int = 0
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    kernels: KernelSpec = KernelSpec()
+    verifier: VerifierSpec = VerifierSpec()
+    resources: dict[str, ResourceSpec] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _roles(cls, v: dict[str, ResourceSpec]) -> dict[str, ResourceSpec]:
+        unknown = set(v) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
+        return v
+
+    def resources_for(self, role: str) -> ResourceSpec:
+        return self.resources.get(role, ResourceSpec())
+
+
+class SpecError(ValueError):
+    """An invalid job spec: ``violations`` lists (field path, description)."""
+
+    def __init__(self, violations: list[tuple[str, str]]) -> None:
+        self.violations = violations
+        super().__init__("; ".join(f"{f}: {d}" for f, d in violations))
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "spec"
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a dict into a ``JobSpec``; raises ``SpecError`` naming every bad field."""
+    if not isinstance(data, dict):
+        raise SpecError([("spec", "a job spec must be a mapping of fields")])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError([(_field_path(err["loc"]), err["msg"]) for err in e.errors()]) from None
+
+
+def load_spec_file(path: str | Path) -> JobSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError([("file", f"{path}: no such file")])
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError([("file", f"{path}: not valid YAML ({e.__class__.__name__})")]) from None
+    return parse_spec(data)
