@@ -28,7 +28,9 @@ def available_backends() -> list[str]:
 def resolve_kernels(kernels: str) -> str:
     """Map a user-facing ``--kernels`` choice (``consistent``, ``fast``, or a backend name) to a backend."""
     if kernels == "consistent":
-        return "reference"
+        from .ascend import ascend_available
+
+        return "ascend" if ascend_available() else "reference"
     if kernels not in _REGISTRY:
         raise ValueError(f"unknown kernels {kernels!r}; expected consistent, fast or one of {available_backends()}")
     return kernels
@@ -43,11 +45,13 @@ def get_backend(config: KernelConfig) -> Backend:
 
 
 def _register_builtins() -> None:
+    from .ascend import AscendBackend
     from .fast import FastBackend
     from .reference import ReferenceBackend
 
     register_backend("reference", ReferenceBackend)
     register_backend("fast", FastBackend)
+    register_backend("ascend", AscendBackend)
 
 
 _register_builtins()

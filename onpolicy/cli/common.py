@@ -41,7 +41,7 @@ def load(args: argparse.Namespace, config: KernelConfig) -> LoadedModel:
 
     try:
         return load_model(args.model, get_backend(config))
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
         fail(str(e).splitlines()[0])
 
 

@@ -37,7 +37,15 @@ def shapes_for(model: str) -> ProbeShapes:
 
 
 def run(args: argparse.Namespace) -> int:
+    from onpolicy.kernels import get_backend
+
+    from .common import fail
+
     config = kernel_config(args, args.backend)
+    try:
+        get_backend(config)  # a backend that cannot run here (e.g. ascend without an NPU) says why
+    except RuntimeError as e:
+        fail(str(e).splitlines()[0])
     shapes = shapes_for(args.model)
 
     def progress(line: str) -> None:
