@@ -27,13 +27,9 @@ def shapes_for(model: str) -> ProbeShapes:
     from .common import fail
 
     try:
-        cfg = load_model(model, get_backend(KernelConfig())).config
+        return load_model(model, get_backend(KernelConfig())).config.probe_shapes()
     except (OSError, ValueError) as e:
         fail(str(e).splitlines()[0])
-    return ProbeShapes(hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, intermediate=cfg.intermediate_size or cfg.moe_intermediate_size,
-                       vocab=cfg.vocab_size, num_experts=max(cfg.num_experts, 8),
-                       top_k=max(cfg.num_experts_per_tok, 2))
 
 
 def run(args: argparse.Namespace) -> int:

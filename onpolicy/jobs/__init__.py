@@ -1,1 +1,1 @@
-"""RL jobs: the job spec users write, datasets, rewards, and the GRPO loop the controller runs."""
+"""RL job domain: the job spec users write, datasets, and the reward registry."""

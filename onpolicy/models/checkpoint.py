@@ -113,3 +113,19 @@ def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: 
     model.load_state_dict(state, assign=True)
     model.requires_grad_(False)
     return model
+
+
+def copy_weights_(model: CausalLM, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` into ``model``'s parameters in place (cast to their dtype) after checking that
+    every parameter is present with its shape; on error nothing has been changed."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise CheckpointError(f"weight update is missing {missing[:3]}{'…' if len(missing) > 3 else ''}")
+    for name, p in params.items():
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"weight update: {name} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(p.shape)}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name].to(p.dtype))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from onpolicy.kernels.selftest import ProbeShapes
 
 Family = Literal["llama", "qwen3", "qwen3_moe"]
 _FAMILIES: dict[str, Family] = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
@@ -49,6 +52,15 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family in ("qwen3", "qwen3_moe")
+
+    def probe_shapes(self) -> ProbeShapes:
+        """The shapes the selftest certifies a backend on for this model."""
+        from onpolicy.kernels.selftest import ProbeShapes
+
+        return ProbeShapes(hidden=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, intermediate=self.intermediate_size or self.moe_intermediate_size,
+                           vocab=self.vocab_size, num_experts=max(self.num_experts, 8),
+                           top_k=max(self.num_experts_per_tok, 2))
 
     def is_moe_layer(self, layer: int) -> bool:
         return (self.family == "qwen3_moe" and layer not in self.mlp_only_layers

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 
 from .block_manager import BlockManager
 from .kv_cache import KVCache
@@ -156,16 +156,6 @@ class RolloutEngine:
         """Load new weights (same names and shapes) and drop the now-stale prefix cache."""
         if self.has_unfinished():
             raise RuntimeError("cannot update weights while requests are in flight")
-        params = dict(self.lm.model.named_parameters())
-        missing = set(params) - set(state)
-        if missing:
-            raise ValueError(f"weight update is missing {sorted(missing)[:3]}")
-        with torch.no_grad():
-            for name, p in params.items():
-                src = state[name]
-                if tuple(src.shape) != tuple(p.shape):
-                    raise ValueError(f"weight update: {name} has shape {tuple(src.shape)}, expected {tuple(p.shape)}")
-            for name, p in params.items():
-                p.copy_(state[name].to(p.dtype))
+        copy_weights_(self.lm.model, state)
         self.blocks.reset_prefix_cache()
         self.weight_version = version

@@ -1,1 +1,29 @@
-"""The trainer engine: the training-path forward (teacher-forced, packed) and, later, RL steps."""
+"""The trainer engine: the training-path forward (teacher-forced, packed, autograd-capable), GRPO /
+PPO-clip steps with AdamW, atomic verified checkpoints and versioned weight export.
+
+``forward`` — ``ScoredSequence``, ``sequence_logprobs``; ``grpo`` — ``group_advantages``,
+``policy_loss``; ``config`` — ``TrainSample``, ``LossConfig``, ``OptimizerConfig``, ``StepStats``;
+``engine`` — ``TrainerEngine``; ``checkpoint`` — ``save_checkpoint``, ``load_checkpoint``.
+"""
+
+from .checkpoint import CheckpointError, CheckpointState, load_checkpoint
+from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
+from .engine import TrainerEngine
+from .forward import ScoredSequence, sequence_logprobs
+from .grpo import group_advantages, policy_loss
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointState",
+    "LossConfig",
+    "OptimizerConfig",
+    "ScoredSequence",
+    "StepStats",
+    "TrainSample",
+    "TrainerConfig",
+    "TrainerEngine",
+    "group_advantages",
+    "load_checkpoint",
+    "policy_loss",
+    "sequence_logprobs",
+]

@@ -1,0 +1,207 @@
+"""``onpolicy up | serve | demo``: run the services (embedded local Ray by default)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from .common import fail
+from .remote import read_token
+
+
+def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port}; 0 = any free port)")
+    p.add_argument("--token-file", help="require this bearer token on every RPC (default: $ONPOLICY_TOKEN if set)")
+    p.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start Ray (embedded, loopback), the job controller and its JobService")
+    add_server_args(p, 50051)
+    p.add_argument("--ray-address", help="attach to this Ray cluster instead of starting one")
+    p.add_argument("--state-dir", help="controller state (default $ONPOLICY_HOME/controller)")
+    p.add_argument("--model", help="certify the operator set for this model at start-up")
+    p.set_defaults(func=up)
+    p = sub.add_parser("serve", help="run one service standalone (jobs, rollout, trainer or verifier)")
+    p.add_argument("role", choices=["jobs", "rollout", "trainer", "verifier"])
+    add_server_args(p, 0)
+    p.add_argument("--model", default="smollm2", help="model of a rollout/trainer/verifier service")
+    p.add_argument("--kernels", default="consistent", help="consistent | fast (rollout only)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--kv-tile", type=int, default=64)
+    p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
+    p.add_argument("--state-dir", help="jobs: controller state directory")
+    p.set_defaults(func=serve)
+    p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--kernels", choices=["consistent", "fast"], default="consistent",
+                   help="rollout kernels: fast shows the verifier catching a mismatch")
+    p.add_argument("--state-dir", help="keep controller state here (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="one JSON object per job event per line")
+    p.set_defaults(func=demo)
+
+
+def server_config(args: argparse.Namespace, token: str | None) -> Any:
+    from onpolicy.services.common.server import ServerConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        fail("--tls-cert and --tls-key go together")
+    try:
+        return ServerConfig(host=args.host, port=args.port, token=token, tls_cert=args.tls_cert,
+                            tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+
+
+def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None) -> tuple[Any, Any]:
+    """Ray + controller + JobService; returns (server, controller)."""
+    from onpolicy.services import api
+    from onpolicy.services.cluster.actors import RayLauncher
+    from onpolicy.services.cluster.local_ray import init_ray
+    from onpolicy.services.common.server import GrpcServer
+    from onpolicy.services.jobs.controller import JobController
+    from onpolicy.services.jobs.servicer import JobServicer
+    from onpolicy.services.roles import SERVICE_NAMES
+
+    init_ray(ray_address)
+    controller = JobController(state_dir, RayLauncher(host="127.0.0.1", token=token))
+    server = GrpcServer(config)
+    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
+                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
+    try:
+        server.start()
+    except RuntimeError as e:
+        controller.shutdown()
+        fail(str(e))
+    resumed = controller.resume_unfinished()
+    if resumed:
+        print(f"resuming {len(resumed)} unfinished job(s): {', '.join(resumed)}", file=sys.stderr, flush=True)
+    return server, controller
+
+
+def wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("ONPOLICY_HOME", Path.home() / ".cache" / "onpolicy")) / "controller"
+
+
+def up(args: argparse.Namespace) -> int:
+    token = read_token(args.token_file)
+    config = server_config(args, token)
+    if args.model:
+        from onpolicy.kernels import KernelConfig
+        from onpolicy.services.common.model import load_certified
+
+        load_certified(args.model, KernelConfig())
+    server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()), args.ray_address,
+                                           token)
+    print(f"jobs endpoint: {server.address}", flush=True)
+    try:
+        wait_for_signal()
+    finally:
+        print("shutting down", file=sys.stderr, flush=True)
+        controller.shutdown()
+        server.stop()
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    token = read_token(args.token_file)
+    config = server_config(args, token)
+    if args.role == "jobs":
+        server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
+                                               args.ray_address, token)
+    else:
+        from onpolicy.services.common.server import GrpcServer
+        from onpolicy.services.roles import SERVICE_NAMES, RoleOptions, build_role_servicer
+
+        backend = "fast" if args.kernels == "fast" else "reference"
+        opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile)
+        try:
+            servicer, register = build_role_servicer(args.role, opts)
+        except (ValueError, OSError, RuntimeError) as e:
+            fail(str(e).splitlines()[0])
+        server, controller = GrpcServer(config), None
+        server.add_service(SERVICE_NAMES[args.role], servicer, register)  # type: ignore[arg-type]
+        server.start()
+    print(f"{args.role} endpoint: {server.address}", flush=True)
+    try:
+        wait_for_signal()
+    finally:
+        if controller is not None:
+            controller.shutdown()
+        server.stop()
+    return 0
+
+
+def demo_spec(model: str, steps: int, kernels: str) -> dict[str, Any]:
+    """The demo job (examples/jobs/demo.yaml with the model, steps and rollout kernels given)."""
+    return {"name": "demo", "model": model, "steps": steps,
+            "dataset": {"kind": "arithmetic", "size": 64, "max_operand": 20, "seed": 0},
+            "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "length_penalty", "weight": 0.1}],
+            "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": 1e-5},
+            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels}}
+
+
+def demo(args: argparse.Namespace) -> int:
+    import secrets
+
+    from onpolicy.jobs.spec import SpecError, parse_spec
+    from onpolicy.services import api
+    from onpolicy.services.common.client import connect
+    from onpolicy.services.common.server import ServerConfig
+    from onpolicy.services.jobs.convert import spec_to_proto
+
+    from .jobs_cmd import stream_events
+
+    if args.steps < 1:
+        fail("--steps must be >= 1")
+    try:
+        spec = parse_spec(demo_spec(args.model, args.steps, args.kernels))
+    except SpecError as e:
+        fail(str(e))
+    token = secrets.token_urlsafe(24)  # the demo's services require a bearer token, like production
+    state_dir = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="onpolicy-demo-"))
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    say(f"starting Ray (embedded, loopback), the job controller and its services for {args.model} ...")
+    server, controller = start_jobs_server(ServerConfig(port=0, token=token), state_dir, None, token)
+    try:
+        stub = api.jobs_pb2_grpc.JobServiceStub(connect(server.address, token=token))
+        job = stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=60).job
+        say(f"jobs endpoint {server.address}; submitted job {job.job_id}: GRPO on {args.model}, arithmetic task, "
+            f"{args.steps} steps, rollout kernels {args.kernels}")
+        final = stream_events(args, stub, job.job_id, args.steps)
+        rec = controller.get(job.job_id)
+        events = controller.store.load_all()
+        steps = [e for r, evs in events if r.job_id == job.job_id for e in evs if e.weight_version]
+        mismatched = sum(e.tokens_mismatched for e in steps)
+        checked = sum(e.tokens_checked for e in steps)
+        if not args.json:
+            say(f"job {job.job_id} {final}: {len(steps)} steps, {checked} tokens verified, {mismatched} mismatched"
+                + (f" ({rec.error})" if rec.error else ""))
+        ok = final == "SUCCEEDED" and (mismatched == 0 or args.kernels == "fast")
+        return 0 if ok else 1
+    finally:
+        controller.shutdown()
+        server.stop()
+        from onpolicy.services.cluster.local_ray import shutdown_ray
+
+        shutdown_ray()

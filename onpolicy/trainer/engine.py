@@ -1,0 +1,253 @@
+"""``TrainerEngine``: GRPO/PPO-clip steps on the training-path forward, AdamW, checkpoints, export.
+
+Determinism: a step's arithmetic depends only on the weights, the optimizer state and the request —
+samples are split into minibatches in their given order, each minibatch is packed in order into
+microbatches of at most ``pack_tokens`` rows (one packed forward each), gradients accumulate in that
+order, and AdamW runs its single-tensor (non-foreach) implementation. Two engines fed the same
+requests from the same weights (or the same checkpoint) therefore end with bitwise-equal weights.
+
+The step counter is the weight version: every change of the weights advances it. A non-finite
+gradient norm raises ``FloatingPointError`` before that update is applied; if earlier minibatches of
+the step were applied, the counter still advances (restore a checkpoint to undo them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from onpolicy.models.causal_lm import CausalLM
+from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.weights import WeightsRef, export_weights
+
+from .checkpoint import CheckpointError, CheckpointState, save_checkpoint
+from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
+from .forward import ScoredSequence, pack, pack_logprobs, sequence_logprobs
+from .grpo import policy_loss
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+def minibatch_slices(n: int, minibatches: int) -> list[range]:
+    """``n`` samples split in order into ``minibatches`` contiguous parts whose sizes differ by <= 1."""
+    if not 1 <= minibatches <= n:
+        raise ValueError(f"cannot split {n} samples into {minibatches} minibatches")
+    bounds = [n * k // minibatches for k in range(minibatches + 1)]
+    return [range(bounds[k], bounds[k + 1]) for k in range(minibatches)]
+
+
+class TrainerEngine:
+    """Owns a model (made trainable), its AdamW optimizer, an optional frozen KL reference, the step
+    counter and RNG state. Not thread-safe: callers serialise access."""
+
+    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None) -> None:
+        self.lm = lm
+        self.model: CausalLM = lm.model
+        self.config = config or TrainerConfig()
+        self.model.requires_grad_(True)
+        self.params = list(self.model.parameters())
+        self.optimizer: torch.optim.AdamW | None = None
+        self.reference: CausalLM | None = None
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self._sha: tuple[int, str] = (0, lm.weights_sha256)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def kernel_fingerprint(self) -> str:
+        return self.model.ops.fingerprint
+
+    @property
+    def weight_version(self) -> int:
+        return self.step
+
+    @property
+    def weights_sha256(self) -> str:
+        """Checksum of the current weights (``onpolicy.models.checkpoint.weights_sha256``), cached per step."""
+        if self._sha[0] != self.step:
+            self._sha = (self.step, weights_sha256(self.model.state_dict()))
+        return self._sha[1]
+
+    # ------------------------------------------------------------------ forward
+    def compute_logprobs(self, seqs: Sequence[ScoredSequence], pack_tokens: int | None = None) -> list[Tensor]:
+        """Training-path token logprobs (fp32, no autograd) of every sequence."""
+        with torch.no_grad():
+            return sequence_logprobs(self.model, seqs, pack_tokens=pack_tokens or self.config.pack_tokens)
+
+    def _check(self, samples: Sequence[TrainSample], loss: LossConfig) -> None:
+        if not samples:
+            raise ValueError("a train step needs at least one sample")
+        cfg = self.model.config
+        for i, s in enumerate(samples):
+            bad = [t for t in (*s.prompt_ids, *s.token_ids) if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"sample {i}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+            if s.scored.input_len > cfg.max_position_embeddings:
+                raise ValueError(f"sample {i}: {s.scored.input_len} positions exceed max_position_embeddings="
+                                 f"{cfg.max_position_embeddings}")
+        if loss.minibatches > len(samples):
+            raise ValueError(f"minibatches={loss.minibatches} exceeds the {len(samples)} samples")
+
+    def _reference_model(self) -> CausalLM:
+        """The frozen KL reference: the weights the engine started from, copied on first use."""
+        if self.reference is None:
+            if self.step != 0:
+                raise ValueError("kl_coef > 0 needs the reference policy (the initial weights), which is only "
+                                 "kept when the KL penalty is on from the first step or restored from a checkpoint")
+            self.reference = self._clone_model({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return self.reference
+
+    def _clone_model(self, state: dict[str, Tensor]) -> CausalLM:
+        with torch.device("meta"):
+            ref = CausalLM(self.model.config, self.model.ops)
+        ref.load_state_dict({k: v.to(self.model.device, self.model.dtype) for k, v in state.items()}, assign=True)
+        ref.rope_cos, ref.rope_sin = self.model.rope_cos, self.model.rope_sin
+        return ref.requires_grad_(False)
+
+    def _configure_optimizer(self, opt: OptimizerConfig) -> torch.optim.AdamW:
+        hyper = {"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps, "weight_decay": opt.weight_decay}
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, foreach=False, **hyper)
+        for group in self.optimizer.param_groups:
+            group.update(hyper)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
+                   recompute_old: bool = False) -> StepStats:
+        """``loss.epochs`` × ``loss.minibatches`` AdamW updates on ``samples`` (one step of the counter)."""
+        self._check(samples, loss)
+        t0 = time.perf_counter()
+        seqs = [s.scored for s in samples]
+        old = [torch.tensor(s.old_logprobs, dtype=torch.float32, device=self.model.device) for s in samples]
+        adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.model.device)
+        max_diff: float | None = None
+        recompute_seconds = 0.0
+        if recompute_old:  # the baseline that bitwise-consistent rollout logprobs make unnecessary
+            fresh = self.compute_logprobs(seqs)
+            max_diff = max(float((a - b).abs().max()) for a, b in zip(old, fresh, strict=True))
+            old, recompute_seconds = fresh, time.perf_counter() - t0
+        ref = None
+        if loss.kl_coef > 0:
+            with torch.no_grad():
+                ref = sequence_logprobs(self._reference_model(), seqs, pack_tokens=self.config.pack_tokens)
+        optimizer = self._configure_optimizer(opt)
+        losses, norms = [], []
+        weighted = {"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0}
+        counted = 0
+        first_diff = 0.0
+        with _deterministic(self.config.deterministic):
+            for epoch in range(loss.epochs):
+                for mb, part in enumerate(minibatch_slices(len(samples), loss.minibatches)):
+                    idx = list(part)
+                    lengths = [len(samples[i].token_ids) for i in idx]
+                    norm = float(sum(lengths)) if loss.loss_agg == "token-mean" else float(len(idx))
+                    optimizer.zero_grad(set_to_none=True)
+                    mb_loss = 0.0
+                    for micro in pack([seqs[i] for i in idx], self.config.pack_tokens):
+                        ids = [idx[j] for j in micro]
+                        new = torch.cat(pack_logprobs(self.model, [seqs[i] for i in ids]))
+                        old_mb = torch.cat([old[i] for i in ids])
+                        if epoch == 0 and mb == 0 and max_diff is None:
+                            first_diff = max(first_diff, float((new.detach() - old_mb).abs().max()))
+                        value, st = policy_loss(
+                            new, old_mb, adv[ids], [lengths[j] for j in micro],
+                            clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high,
+                            loss_agg=loss.loss_agg, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
+                            ref_lp=None if ref is None else torch.cat([ref[i] for i in ids]), normalizer=norm)
+                        value.backward()
+                        mb_loss += float(value.detach())
+                        counted += st.tokens
+                        for k in weighted:
+                            weighted[k] += getattr(st, k) * st.tokens
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                        self.params, opt.grad_clip if opt.grad_clip > 0 else math.inf, foreach=False))
+                    if not math.isfinite(grad_norm):
+                        optimizer.zero_grad(set_to_none=True)
+                        if losses:  # earlier updates changed the weights: they are a new version
+                            self.step += 1
+                        raise FloatingPointError(
+                            f"non-finite gradient norm in epoch {epoch} minibatch {mb}: that update was not applied "
+                            f"({len(losses)} earlier updates of the step were; the step counter is now {self.step})")
+                    optimizer.step()
+                    losses.append(mb_loss)
+                    norms.append(grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(s.token_ids) for s in samples)
+        return StepStats(
+            step=self.step, loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms),
+            clip_fraction=weighted["clip_fraction"] / counted, kl=weighted["kl"] / counted,
+            approx_kl=weighted["approx_kl"] / counted, tokens=tokens, seconds=seconds,
+            tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+            old_logprob_max_abs_diff=first_diff if max_diff is None else max_diff,
+            recompute_seconds=recompute_seconds, updates=len(losses))
+
+    # ------------------------------------------------------------------ weights out
+    def state_dict_for_rollout(self) -> dict[str, Tensor]:
+        """A detached copy of the weights in the compute dtype (what ``RolloutEngine.update_weights`` takes)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def export_weights(self, directory: str | Path) -> WeightsRef:
+        """Write ``weights-v{step}.safetensors`` atomically under ``directory`` and return its reference."""
+        return export_weights(self.model.state_dict(), directory, self.step, self.kernel_fingerprint, self.lm.name)
+
+    # ------------------------------------------------------------------ checkpoints
+    def rng_state(self) -> dict[str, object]:
+        return {"torch": torch.get_rng_state(), "python": random.getstate(), "engine": self.generator.get_state()}
+
+    def save_checkpoint(self, directory: str | Path, extra_json: str = "{}") -> Path:
+        """Atomically write weights, optimizer, reference, RNG states, step and ``extra_json``."""
+        state = CheckpointState(
+            step=self.step, model_name=self.lm.name, kernel_fingerprint=self.kernel_fingerprint,
+            model=self.model.state_dict(), optimizer=None if self.optimizer is None else self.optimizer.state_dict(),
+            rng=self.rng_state(), extra_json=extra_json or "{}",
+            reference=None if self.reference is None else self.reference.state_dict())
+        return save_checkpoint(directory, state)
+
+    def restore(self, state: CheckpointState) -> None:
+        """Continue from ``state`` exactly: weights, optimizer moments, reference, RNG, step."""
+        if state.kernel_fingerprint != self.kernel_fingerprint:
+            raise CheckpointError(f"checkpoint was written under kernel fingerprint {state.kernel_fingerprint!r}, "
+                                  f"this engine runs {self.kernel_fingerprint!r}")
+        params = dict(self.model.named_parameters())
+        if set(state.model) != set(params):
+            raise CheckpointError(f"checkpoint weights do not match model {self.lm.name!r} "
+                                  f"(differing names: {sorted(set(state.model) ^ set(params))[:3]})")
+        for name, p in params.items():
+            if tuple(state.model[name].shape) != tuple(p.shape):
+                raise CheckpointError(f"checkpoint {name} has shape {tuple(state.model[name].shape)}, "
+                                      f"model has {tuple(p.shape)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state.model[name].to(p.dtype))
+        self.optimizer = None
+        if state.optimizer is not None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=1.0, foreach=False)
+            self.optimizer.load_state_dict(state.optimizer)
+        self.reference = None if state.reference is None else self._clone_model(state.reference)
+        torch.set_rng_state(state.rng["torch"])
+        random.setstate(state.rng["python"])
+        self.generator.set_state(state.rng["engine"])
+        self.step = state.step
+        self._sha = (-1, "")

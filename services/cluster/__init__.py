@@ -1,0 +1,1 @@
+"""Ray: the embedded local cluster on loopback, and role services as Ray actors."""

@@ -1,0 +1,193 @@
+"""``JobController``: accepts jobs, runs each in its own thread against role services started by a
+launcher (Ray actors by default), persists every state change, and streams events to watchers.
+
+A restarted controller loads the store and reruns every unfinished job from step 0 with the same
+seeds (new services start from the base weights; restoring the trainer's checkpoint over gRPC is
+not built yet), so no job is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+from onpolicy.jobs.dataset import load_dataset
+from onpolicy.jobs.spec import JobSpec, parse_spec
+
+from .loop import Cancelled, GRPOLoop, RoleStubs
+from .records import JobEvent, JobRecord, JobState
+from .store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class ServiceLauncher(Protocol):
+    def launch(self, job_id: str, spec: JobSpec) -> AbstractContextManager[RoleStubs]:
+        """Start (or attach to) the rollout, trainer and verifier services of a job."""
+        ...
+
+
+class _Job:
+    def __init__(self, rec: JobRecord, events: list[JobEvent]) -> None:
+        self.rec = rec
+        self.events = events
+        self.cancel = threading.Event()
+        self.changed = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+
+class JobController:
+    def __init__(self, state_dir: str | Path, launcher: ServiceLauncher) -> None:
+        self.store = JobStore(state_dir)
+        self.launcher = launcher
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---- public API (JobService maps onto these) ------------------------------------------------
+    def submit(self, spec: JobSpec) -> JobRecord:
+        job_id = uuid.uuid4().hex[:12]
+        rec = JobRecord(job_id=job_id, spec=spec.model_dump(mode="json"))
+        job = _Job(rec, [])
+        with self._lock:
+            self._jobs[job_id] = job
+        self.store.save(rec)
+        self._emit(job, JobEvent(job_id=job_id, step=0, state=JobState.PENDING, message="submitted"))
+        self._start(job, start_step=0)
+        return rec
+
+    def get(self, job_id: str) -> JobRecord:
+        return self._job(job_id).rec
+
+    def list(self) -> list[JobRecord]:
+        with self._lock:
+            return sorted((j.rec for j in self._jobs.values()), key=lambda r: r.created_at)
+
+    def cancel(self, job_id: str) -> JobRecord:
+        job = self._job(job_id)
+        if not job.rec.state.terminal:
+            job.cancel.set()
+            if job.thread is None or not job.thread.is_alive():
+                self._finish(job, JobState.CANCELLED, "cancelled")
+        return job.rec
+
+    def watch(self, job_id: str, timeout: float | None = None,
+              alive: Callable[[], bool] = lambda: True) -> Iterator[JobEvent]:
+        """Past events, then new ones as they happen, until the job reaches a terminal state (or
+        ``timeout`` passes, or ``alive()`` turns false — a watcher that went away)."""
+        job = self._job(job_id)
+        sent = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with job.changed:
+                while sent >= len(job.events) and not job.rec.state.terminal:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if (left is not None and left <= 0) or not alive():
+                        return
+                    job.changed.wait(timeout=1.0 if left is None else min(1.0, left))
+                new = job.events[sent:]
+                terminal = job.rec.state.terminal
+            yield from new
+            sent += len(new)
+            if terminal and sent >= len(job.events):
+                return
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        job = self._job(job_id)
+        if job.thread is not None:
+            job.thread.join(timeout)
+        return job.rec
+
+    def resume_unfinished(self) -> list[str]:
+        """Load persisted jobs; restart every job that was pending or running when we stopped."""
+        resumed = []
+        for rec, events in self.store.load_all():
+            job = _Job(rec, events)
+            with self._lock:
+                self._jobs[rec.job_id] = job
+            if not rec.state.terminal:
+                resumed.append(rec.job_id)
+                # Services are new after a restart; until the trainer can restore a checkpoint over
+                # gRPC the job reruns from step 0 with the same seeds (so the same trajectory).
+                self._emit(job, JobEvent(job_id=rec.job_id, step=0, state=JobState.PENDING,
+                                         message=f"controller restarted after step {rec.step}; rerunning from step 0"))
+                rec.step = 0
+                self._start(job, start_step=0)
+        return resumed
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop running jobs' threads (their state stays RUNNING on disk, so a restart resumes them)."""
+        self._closed = True
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.cancel.set()
+        for job in jobs:
+            if job.thread is not None:
+                job.thread.join(timeout)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _job(self, job_id: str) -> _Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def _emit(self, job: _Job, ev: JobEvent) -> None:
+        with job.changed:
+            if not (ev.state is JobState.RUNNING and job.rec.state.terminal):
+                job.rec.state = ev.state
+            if ev.state is JobState.RUNNING and ev.step:
+                job.rec.step = ev.step
+                job.rec.last_event = ev
+            job.rec.updated_at = time.time()
+            job.events.append(ev)
+            self.store.append_event(ev)
+            self.store.save(job.rec)
+            job.changed.notify_all()
+
+    def _finish(self, job: _Job, state: JobState, message: str) -> None:
+        if state is JobState.FAILED:
+            job.rec.error = message
+        self._emit(job, JobEvent(job_id=job.rec.job_id, step=job.rec.step, state=state, message=message))
+
+    def _start(self, job: _Job, start_step: int) -> None:
+        job.thread = threading.Thread(target=self._run, args=(job, start_step), daemon=True,
+                                      name=f"job-{job.rec.job_id}")
+        job.thread.start()
+
+    def _run(self, job: _Job, start_step: int) -> None:
+        rec = job.rec
+        try:
+            spec = parse_spec(rec.spec)
+            problems = load_dataset(spec.dataset)
+            workdir = self.store.job_dir(rec.job_id)
+            with self.launcher.launch(rec.job_id, spec) as stubs:
+                if job.cancel.is_set():
+                    raise Cancelled()
+                loop = GRPOLoop(rec.job_id, spec, stubs, problems, Path(workdir), lambda ev: self._emit(job, ev),
+                                job.cancel.is_set)
+                self._emit(job, JobEvent(job_id=rec.job_id, step=start_step, state=JobState.RUNNING,
+                                         message="services ready"))
+                loop.run(start_step)
+            self._finish(job, JobState.SUCCEEDED, f"completed {spec.steps} steps")
+        except Cancelled:
+            if self._closed:
+                return  # controller shutting down: leave the job resumable
+            self._finish(job, JobState.CANCELLED, "cancelled")
+        except Exception as e:
+            if self._closed and job.cancel.is_set():
+                return
+            log.exception("job %s failed", rec.job_id)
+            self._finish(job, JobState.FAILED, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -1,0 +1,145 @@
+"""``GRPOLoop``: one job's true on-policy GRPO steps, driven over gRPC.
+
+Per step: Generate (prompts × group size) → rewards → group advantages → TrainStep with the
+rollout's logprobs as the old logprobs (no recompute) while the verifier recomputes sampled
+completions on the training path at the same weight version → ExportWeights (versioned file,
+sha256, kernel fingerprint) → UpdateWeights on rollout and verifier → checkpoint at the interval.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onpolicy.services import api
+
+from onpolicy.jobs.dataset import Problem, batch_at
+from onpolicy.jobs.rewards import RewardInput, total_reward
+from onpolicy.jobs.spec import JobSpec
+from onpolicy.trainer.grpo import group_advantages
+
+from .records import JobEvent, JobState, StepTimes
+
+CALL_TIMEOUT_S = 6 * 3600
+
+
+class Cancelled(Exception):
+    """The job was cancelled between two phases of a step."""
+
+
+@dataclass
+class RoleStubs:
+    rollout: Any
+    trainer: Any
+    verifier: Any
+
+
+class GRPOLoop:
+    def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, problems: list[Problem], workdir: Path,
+                 on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
+        self.job_id, self.spec, self.stubs, self.problems = job_id, spec, stubs, problems
+        self.weights_dir = Path(spec.checkpoint.dir or workdir) / "weights"
+        self.ckpt_dir = Path(spec.checkpoint.dir or workdir) / "checkpoints"
+        self.on_event, self.should_stop = on_event, should_stop
+        self.weight_version = 0
+
+    def _check(self) -> None:
+        if self.should_stop():
+            raise Cancelled()
+
+    def _generate(self, batch: list[Problem], step: int) -> list[Any]:
+        s = self.spec
+        req = api.rollout_pb2.GenerateRequest(
+            prompts=[api.rollout_pb2.Prompt(text=p.prompt) for p in batch],
+            params=api.rollout_pb2.SamplingParams(temperature=s.rollout.temperature,
+                                                  max_new_tokens=s.rollout.max_new_tokens,
+                                                  n=s.grpo.group_size, seed=s.seed * 1_000_003 + step))
+        comps = [r.completion for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S)]
+        return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def _verify(self, comps: list[Any], step: int) -> Any:
+        rng = random.Random(self.spec.seed * 7919 + step)
+        chosen = [c for c in comps if rng.random() < self.spec.verifier.sample_fraction] or comps[:1]
+        req = api.verifier_pb2.SubmitSamplesRequest(
+            samples=[api.verifier_pb2.Sample(job_id=self.job_id, step=step, completion=c, source="onpolicy")
+                     for c in chosen], wait=True)
+        return self.stubs.verifier.SubmitSamples(req, timeout=CALL_TIMEOUT_S).report
+
+    def _train(self, comps: list[Any], advantages: list[float]) -> Any:
+        g = self.spec.grpo
+        req = api.trainer_pb2.TrainStepRequest(
+            samples=[api.trainer_pb2.TrainSample(prompt_ids=c.prompt_ids, token_ids=c.token_ids,
+                                                 old_logprobs=c.logprobs, advantage=a, temperature=c.temperature)
+                     for c, a in zip(comps, advantages, strict=True)],
+            loss=api.trainer_pb2.LossConfig(clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high,
+                                            kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
+                                            epochs=g.epochs, minibatches=g.minibatches),
+            optimizer=api.trainer_pb2.OptimizerConfig(lr=g.lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                      weight_decay=g.weight_decay, grad_clip=g.grad_clip),
+            recompute_old_logprobs=g.recompute_old_logprobs)
+        return self.stubs.trainer.TrainStep(req, timeout=CALL_TIMEOUT_S)
+
+    def _sync(self) -> int:
+        ref = self.stubs.trainer.ExportWeights(
+            api.trainer_pb2.ExportWeightsRequest(directory=str(self.weights_dir)), timeout=CALL_TIMEOUT_S).weights
+        self.stubs.rollout.UpdateWeights(api.rollout_pb2.UpdateWeightsRequest(weights=ref), timeout=CALL_TIMEOUT_S)
+        self.stubs.verifier.UpdateWeights(api.verifier_pb2.VerifierServiceUpdateWeightsRequest(weights=ref),
+                                          timeout=CALL_TIMEOUT_S)
+        return int(ref.version)
+
+    def checkpoint(self, step: int) -> None:
+        self.stubs.trainer.SaveCheckpoint(api.trainer_pb2.SaveCheckpointRequest(
+            directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id})),
+            timeout=CALL_TIMEOUT_S)
+
+    def step(self, step: int) -> JobEvent:
+        s = self.spec
+        times = StepTimes()
+        t_start = time.perf_counter()
+        batch = batch_at(self.problems, step * s.grpo.prompts_per_step, s.grpo.prompts_per_step)
+        self._check()
+        t = time.perf_counter()
+        comps = self._generate(batch, step)
+        times.generate_s = time.perf_counter() - t
+        gen_tokens = sum(len(c.token_ids) for c in comps)
+        t = time.perf_counter()
+        names = [(r.name, r.weight) for r in s.rewards]
+        rewards = [total_reward(names, RewardInput(batch[c.prompt_index].prompt, c.text, batch[c.prompt_index].answer,
+                                                   len(c.token_ids), s.rollout.max_new_tokens)) for c in comps]
+        advantages = group_advantages(rewards, s.grpo.group_size)
+        times.reward_s = time.perf_counter() - t
+        self._check()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            t = time.perf_counter()
+            verify = pool.submit(self._verify, comps, step)  # same weight version as the rollout
+            train = self._train(comps, advantages)
+            times.train_s = time.perf_counter() - t
+            report = verify.result()
+            times.verify_s = time.perf_counter() - t
+        self._check()
+        t = time.perf_counter()
+        self.weight_version = self._sync()
+        times.sync_s = time.perf_counter() - t
+        done = step + 1
+        if done == s.steps or (s.checkpoint.interval and done % s.checkpoint.interval == 0):
+            self.checkpoint(done)
+        times.total_s = time.perf_counter() - t_start
+        return JobEvent(
+            job_id=self.job_id, step=done, state=JobState.RUNNING,
+            reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
+            logdiff_max=report.max_abs_logdiff, tokens_checked=report.tokens_checked,
+            tokens_mismatched=report.tokens_mismatched,
+            rollout_tokens_per_s=gen_tokens / times.generate_s if times.generate_s else 0.0,
+            trainer_tokens_per_s=train.tokens_per_second, weight_version=self.weight_version, loss=train.loss,
+            kl_k3=report.kl_k3, times=times)
+
+    def run(self, start_step: int) -> None:
+        for step in range(start_step, self.spec.steps):
+            self.on_event(self.step(step))

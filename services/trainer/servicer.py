@@ -1,0 +1,113 @@
+"""``TrainerServicer``: the TrainerService API over one ``TrainerEngine`` (a thin adapter:
+validate -> domain types -> engine -> proto).
+
+* ``ComputeLogprobs`` — training-path logprobs (no autograd) with the weight version and checksum
+  they were computed under.
+* ``TrainStep`` — one RL step; the response carries the step counter after it and its statistics,
+  including ``old_logprob_max_abs_diff`` (0 when the rollout's logprobs were bitwise on-policy).
+* ``ExportWeights`` — ``weights-v{step}.safetensors`` written atomically, returned with its sha256.
+* ``SaveCheckpoint`` — an atomic, verified checkpoint directory on the trainer's disk (the optimizer
+  state never crosses the network).
+* ``GetInfo`` — model, kernel config, weight checksum and version (= step), certification, step.
+
+Engine calls are serialised by one lock (the engine is not thread-safe). Validation refusals are
+INVALID_ARGUMENT naming the field; a KL penalty switched on after training started, a non-finite
+gradient (divergence), or a checkpoint step that already exists, is FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from onpolicy.kernels import KernelConfig
+from onpolicy.kernels.selftest import is_certified
+from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
+from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
+from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument
+
+import onpolicy
+from onpolicy.trainer.checkpoint import CheckpointError
+from onpolicy.trainer.engine import TrainerEngine
+
+from . import requests
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, engine: TrainerEngine) -> None:
+        self.engine = engine
+        self.kernel_config: KernelConfig = engine.model.ops.config
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def register(servicer: TrainerServicer, server: grpc.Server) -> None:
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
+
+    def ComputeLogprobs(self, request: trainer_pb2.ComputeLogprobsRequest, context: grpc.ServicerContext,
+                        ) -> trainer_pb2.ComputeLogprobsResponse:
+        seqs = requests.scored_sequences(request, self.engine.model.config)
+        with self._lock:
+            lps = self.engine.compute_logprobs(seqs, request.pack_tokens or None)
+            version, sha = self.engine.weight_version, self.engine.weights_sha256
+        return trainer_pb2.ComputeLogprobsResponse(
+            results=requests.logprobs_to_proto([lp.tolist() for lp in lps]),
+            kernel_fingerprint=self.engine.kernel_fingerprint, weight_version=version, weight_sha256=sha)
+
+    def TrainStep(self, request: trainer_pb2.TrainStepRequest, context: grpc.ServicerContext,
+                  ) -> trainer_pb2.TrainStepResponse:
+        cfg = self.engine.model.config
+        samples = requests.train_samples(request.samples, cfg)
+        if not request.HasField("loss"):
+            raise InvalidArgument("loss", "is required")
+        if not request.HasField("optimizer"):
+            raise InvalidArgument("optimizer", "is required")
+        loss = requests.loss_config(request.loss, len(samples))
+        opt = requests.optimizer_config(request.optimizer)
+        with self._lock:
+            if loss.kl_coef > 0 and self.engine.reference is None and self.engine.step > 0:
+                raise FailedPrecondition("loss.kl_coef > 0 needs the reference policy (the initial weights), "
+                                         "which the trainer keeps only when the KL penalty is on from its first step")
+            try:
+                st = self.engine.train_step(samples, loss, opt, request.recompute_old_logprobs)
+            except FloatingPointError as e:  # the training diverged: the client's call, not a server bug
+                raise FailedPrecondition(str(e)) from None
+        return trainer_pb2.TrainStepResponse(
+            step=st.step, loss=st.loss, grad_norm=st.grad_norm, clip_fraction=st.clip_fraction, kl=st.kl,
+            tokens=st.tokens, seconds=st.seconds, tokens_per_second=st.tokens_per_second,
+            old_logprob_max_abs_diff=st.old_logprob_max_abs_diff, recompute_seconds=st.recompute_seconds)
+
+    def ExportWeights(self, request: trainer_pb2.ExportWeightsRequest, context: grpc.ServicerContext,
+                      ) -> trainer_pb2.ExportWeightsResponse:
+        directory = requests.directory(request.directory)
+        with self._lock:
+            try:
+                ref = self.engine.export_weights(directory)
+            except OSError as e:
+                raise FailedPrecondition(f"cannot write weights under {directory}: {e.strerror or e}") from None
+        return trainer_pb2.ExportWeightsResponse(weights=weights_ref_to_proto(ref))
+
+    def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext,
+                       ) -> trainer_pb2.SaveCheckpointResponse:
+        directory = requests.directory(request.directory)
+        extra = requests.extra_json(request.extra_json)
+        with self._lock:
+            try:
+                path = self.engine.save_checkpoint(directory, extra)
+            except CheckpointError as e:
+                raise FailedPrecondition(str(e)) from None
+            except OSError as e:
+                raise FailedPrecondition(f"cannot write a checkpoint under {directory}: {e.strerror or e}") from None
+            step = self.engine.step
+        return trainer_pb2.SaveCheckpointResponse(path=str(path), step=step)
+
+    def GetInfo(self, request: trainer_pb2.TrainerServiceGetInfoRequest, context: grpc.ServicerContext,
+                ) -> trainer_pb2.TrainerServiceGetInfoResponse:
+        with self._lock:
+            step, sha = self.engine.step, self.engine.weights_sha256
+        info = common_pb2.ServiceInfo(
+            service="trainer", model=self.engine.lm.name, kernel_fingerprint=self.engine.kernel_fingerprint,
+            kernel_config=kernel_config_to_proto(self.kernel_config), weight_sha256=sha, weight_version=step,
+            certified=is_certified(self.kernel_config), version=onpolicy.__version__)
+        return trainer_pb2.TrainerServiceGetInfoResponse(info=info, step=step)

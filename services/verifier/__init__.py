@@ -1,0 +1,1 @@
+"""VerifierService: recomputes finished rollouts on the training path and reports logdiff."""
