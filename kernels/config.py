@@ -48,6 +48,13 @@ class KernelConfig:
     contract_version: int = field(default=CONTRACT_VERSION)
 
     def __post_init__(self) -> None:
+        for name in ("row_tile", "kv_tile", "contract_version"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        for name in ("backend", "compute_dtype", "accum_dtype", "logits_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.row_tile < 1 or self.row_tile & (self.row_tile - 1):
             raise ValueError(f"row_tile must be a power of two >= 1, got {self.row_tile}")
         if self.kv_tile < 1 or self.kv_tile & (self.kv_tile - 1):

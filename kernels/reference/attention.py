@@ -91,6 +91,10 @@ def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, r
               kv_tile: int) -> Tensor:
     length = -(-batch.max_kv_len // kv_tile) * kv_tile
     k, v = kv.dense(length)  # [S, L, Hkv, D]
+    # Slots past a sequence's end are never attended (p = 0 exactly), but 0 * inf would be NaN:
+    # zero their values so stale or never-written cache slots cannot leak into the output.
+    beyond = torch.arange(length, device=v.device)[None, :] >= batch.kv_lens[:, None]
+    v = v.masked_fill(beyond[:, :, None, None], 0)
     hkv = k.shape[2]
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")

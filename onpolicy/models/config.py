@@ -35,6 +35,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    """As in HF: the embedding row of this id gets no gradient (``nn.Embedding(padding_idx=...)``)."""
     eos_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -100,5 +102,6 @@ class ModelConfig:
             decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             bos_token_id=cfg.get("bos_token_id"),
+            pad_token_id=cfg.get("pad_token_id") if isinstance(cfg.get("pad_token_id"), int) else None,
             eos_token_ids=eos_ids,
         )

@@ -97,7 +97,7 @@ def test_gradients_match_transformers(load_tiny: Callable[..., object], name: st
     assert not any(p.requires_grad for p in model.parameters()), "weights must load frozen"
     model.requires_grad_(True)
     hf = hf_model(name)
-    # HF freezes the pad row of the embedding (nn.Embedding(padding_idx)); see the xfail test below
+    # HF and we freeze the pad row of the embedding (nn.Embedding(padding_idx)); tested separately below
     seqs = make_seqs(12, model.config.vocab_size, avoid=frozenset({PAD_ID}))
 
     ours = sequence_logprobs(model, seqs, pack_tokens=4096)
@@ -127,9 +127,6 @@ def test_gradients_match_transformers(load_tiny: Callable[..., object], name: st
     assert not bad, bad[:5]
 
 
-@pytest.mark.xfail(strict=True, reason="HF embeds with padding_idx=pad_token_id (that row gets no gradient); "
-                   "our Decoder's nn.Embedding has no padding_idx, so a pad/<|endoftext|> input token "
-                   "trains its embedding row (onpolicy/models/causal_lm.py, Decoder.embed_tokens)")
 def test_pad_token_embedding_gradient_matches_transformers(load_tiny: Callable[..., object]) -> None:
     model: CausalLM = load_tiny("tiny-llama", fresh=True).model  # type: ignore[attr-defined]
     model.requires_grad_(True)
