@@ -49,7 +49,6 @@ def load_tiny(tiny_paths: dict[str, Path]) -> Callable[..., object]:
     loaded once per session per argument set. Shared: do not mutate (use ``fresh=True`` for a
     private copy, e.g. to switch on ``requires_grad``)."""
     from onpolicy.kernels import KernelConfig, get_backend
-
     from onpolicy.models.registry import load_model
 
     cache: dict[tuple[str, str, int, str], object] = {}

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from onpolicy.kernels.ascend.placement import actor_options
-
 from onpolicy.jobs.spec import JobSpec
+from onpolicy.kernels.ascend.placement import actor_options
 
 from ..jobs.loop import RoleStubs
 from .local_ray import ray_env
@@ -73,6 +72,7 @@ class RayLauncher:
     @contextlib.contextmanager
     def launch(self, job_id: str, spec: JobSpec) -> Iterator[RoleStubs]:
         import ray
+
         from onpolicy.services import api
 
         from ..common.client import connect

@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.services.api import common_pb2
-
 from onpolicy.rollout import Completion
+from onpolicy.services.api import common_pb2
 from onpolicy.weights import WeightsRef
 
 from .errors import InvalidArgument

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf import json_format
-from onpolicy.services import api
 
 from onpolicy.jobs.spec import JobSpec, parse_spec
+from onpolicy.services import api
 
 from .records import JobEvent, JobRecord, JobState
 

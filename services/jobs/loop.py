@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onpolicy.services import api
-
 from onpolicy.jobs.dataset import Problem, batch_at
 from onpolicy.jobs.rewards import RewardInput, total_reward
 from onpolicy.jobs.spec import JobSpec
+from onpolicy.services import api
 from onpolicy.trainer.grpo import group_advantages
 
 from .records import JobEvent, JobState, StepTimes

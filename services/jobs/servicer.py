@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from onpolicy.services import api
-
 from onpolicy.jobs.spec import SpecError
+from onpolicy.services import api
 
 from ..common.errors import FieldViolation, InvalidArgument, NotFound
 from .controller import JobController, JobNotFound

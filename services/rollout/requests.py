@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from onpolicy.services.api import rollout_pb2
-from onpolicy.services.common.errors import InvalidArgument, ResourceExhausted
-
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import RolloutEngine, SamplingParams
+from onpolicy.services.api import rollout_pb2
+from onpolicy.services.common.errors import InvalidArgument, ResourceExhausted
 
 
 def sampling_params(msg: rollout_pb2.SamplingParams, vocab_size: int) -> SamplingParams:

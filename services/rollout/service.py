@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 from onpolicy.kernels import KernelConfig
+from onpolicy.rollout import EngineConfig, RolloutEngine
 from onpolicy.services.common.model import load_certified
 from onpolicy.services.common.server import GrpcServer, ServerConfig
-
-from onpolicy.rollout import EngineConfig, RolloutEngine
 
 from .servicer import SERVICE_NAME, RolloutServicer
 

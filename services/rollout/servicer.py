@@ -18,16 +18,16 @@ import threading
 from collections.abc import Iterator
 
 import grpc
+
+import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
+from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.rollout import RolloutEngine
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc
 from onpolicy.services.common.convert import completion_to_proto, kernel_config_to_proto, weights_ref_from_proto
 from onpolicy.services.common.errors import InvalidArgument, Unavailable
 from onpolicy.services.common.weights import load_weight_version
-
-import onpolicy
-from onpolicy.models.checkpoint import LoadedModel, weights_sha256
-from onpolicy.rollout import RolloutEngine
 
 from . import requests
 from .worker import EngineWorker, WorkerStopped

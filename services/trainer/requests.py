@@ -14,10 +14,9 @@ import json
 import math
 from collections.abc import Sequence
 
+from onpolicy.models.config import ModelConfig
 from onpolicy.services.api import trainer_pb2
 from onpolicy.services.common.errors import InvalidArgument
-
-from onpolicy.models.config import ModelConfig
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainSample
 from onpolicy.trainer.forward import ScoredSequence
 from onpolicy.trainer.grpo import KL_ESTIMATORS, LOSS_AGGS

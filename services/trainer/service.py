@@ -8,7 +8,6 @@ import logging
 import os
 
 from onpolicy.kernels import KernelConfig
-
 from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.config import TrainerConfig
 from onpolicy.trainer.engine import TrainerEngine

@@ -20,13 +20,13 @@ from __future__ import annotations
 import threading
 
 import grpc
+
+import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
 from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
 from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument
-
-import onpolicy
 from onpolicy.trainer.checkpoint import CheckpointError
 from onpolicy.trainer.engine import TrainerEngine
 

@@ -11,11 +11,10 @@ import logging
 import queue
 import threading
 
-from onpolicy.kernels.selftest import is_certified
-from onpolicy.services import api
-
 import onpolicy
+from onpolicy.kernels.selftest import is_certified
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.services import api
 from onpolicy.verification.logdiff import LogdiffStats
 from onpolicy.verification.verifier import Verifier, VerifySample
 

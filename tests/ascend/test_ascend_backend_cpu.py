@@ -18,11 +18,12 @@ import subprocess
 import sys
 
 import numpy as np
-import onpolicy.kernels.selftest as selftest_mod
 import pytest
 import torch
 import torch.nn.functional as F
 from ascend_cpu_support import NativeLib, paged_cache
+
+import onpolicy.kernels.selftest as selftest_mod
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 from onpolicy.kernels.ascend import (
     DETERMINISTIC_ENV,

@@ -20,9 +20,10 @@ import subprocess
 import sys
 
 import numpy as np
-import onpolicy.kernels.selftest as selftest_mod
 import pytest
 import torch
+
+import onpolicy.kernels.selftest as selftest_mod
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 from onpolicy.kernels.selftest import ProbeShapes, run_selftest
 

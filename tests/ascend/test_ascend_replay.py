@@ -28,10 +28,11 @@ import ctypes
 from dataclasses import dataclass
 
 import numpy as np
-import onpolicy.kernels.reference.attention as ref_attention
 import pytest
 import torch
 from ascend_cpu_support import EXP_FN, PV_FN, QK_FN, ROWSUM_FN, Hooks, NativeLib, Plan, as_tensor, paged_cache
+
+import onpolicy.kernels.reference.attention as ref_attention
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 
 

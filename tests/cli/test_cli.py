@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from onpolicy.kernels import KernelConfig
 
+from onpolicy.kernels import KernelConfig
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
 SEQS = [

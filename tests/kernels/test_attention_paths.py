@@ -19,8 +19,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 from torch import Tensor
+
+from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 
 HQ, D = 4, 16
 #: KV tiles the reference backend is certified for on this kind of machine (tests/kernels/test_selftest.py

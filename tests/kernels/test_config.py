@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+
 from onpolicy.kernels import (
     KernelConfig,
     available_backends,

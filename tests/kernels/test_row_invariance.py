@@ -15,9 +15,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onpolicy.kernels import KernelConfig, get_backend
 from torch import Tensor
 
+from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.models.causal_lm import rope_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

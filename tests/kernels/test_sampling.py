@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from onpolicy.kernels.sampling import mix64, request_key, sample, uniform
 
 INT64 = st.integers(-(2**63), 2**63 - 1)

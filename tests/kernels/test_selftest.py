@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import (
     ProbeShapes,

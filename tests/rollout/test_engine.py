@@ -23,7 +23,7 @@ def test_block_manager_prefix_cache_reuses_full_pages_only() -> None:
     assert len(a.block_table) == 3 and bm.num_free == 5
     a.num_computed = 10
     bm.register_full_pages(a)  # pages 0..1 full (8 tokens); page 2 partial
-    b = seq(list(range(9)) + [99], 1)
+    b = seq([*range(9), 99], 1)
     assert bm.cached_prefix(b) == a.block_table[:2]
     assert bm.admit(b, 2)
     assert b.num_computed == 8 and b.block_table[:2] == a.block_table[:2] and bm.hits == 2

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import onpolicy.services.generated as generated
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+import onpolicy.services.generated as generated
 from onpolicy.services import api
 from onpolicy.services.common import protogen
 from onpolicy.services.common.auth import load_token

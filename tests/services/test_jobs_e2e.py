@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from onpolicy.jobs.spec import load_spec_file
 from onpolicy.services import api
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.jobs.convert import spec_to_proto
-
-from onpolicy.jobs.spec import load_spec_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = secrets.token_urlsafe(16)

@@ -14,16 +14,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import SelftestReport
+from onpolicy.models.checkpoint import weights_sha256
+from onpolicy.rollout import EngineConfig
 from onpolicy.services import api
 from onpolicy.services.common import model as service_model
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.common.server import GrpcServer, ServerConfig
 from onpolicy.services.rollout import RolloutServicer, UncertifiedBackend, build_rollout_service, serve_rollout
-
-from onpolicy.models.checkpoint import weights_sha256
-from onpolicy.rollout import EngineConfig
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 from onpolicy.weights import WeightsRef, export_weights
 

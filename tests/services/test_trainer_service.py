@@ -12,13 +12,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
+from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.services import api
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.common.server import GrpcServer, ServerConfig
 from onpolicy.services.trainer.servicer import SERVICE_NAME, TrainerServicer
-
-from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.engine import TrainerEngine
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs

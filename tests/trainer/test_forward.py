@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onpolicy.kernels import AttentionBatch, PagedKV
 from torch import Tensor
 
+from onpolicy.kernels import AttentionBatch, PagedKV
 from onpolicy.models.causal_lm import CausalLM
 from onpolicy.trainer.forward import ScoredSequence, pack, sequence_logprobs
 
