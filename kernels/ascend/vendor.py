@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..kv import AttentionBatch, KVSource
-from ..reference.attention import _SCORE_BUDGET, group_queries, ungroup
+from ..reference.attention import attention as reference_attention
+from ..reference.attention import tile_attention as reference_tile
 from ..reference.linear import pad_rows
 
 
@@ -56,39 +57,11 @@ def logprobs(hidden: Tensor, lm_head: Tensor, temperature: Tensor, row_tile: int
 
 
 def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int) -> Tensor:
-    """kernels.reference.attention.tile_attention with vendor GEMMs and row sums."""
-    s, hkv, r, d = q.shape
-    length = k.shape[2]
-    nb = length // kv_tile
-    key_pos = torch.arange(length, device=q.device)
-    scores = bmm(q.float(), k.float().transpose(2, 3).contiguous()) * scale
-    scores = scores.masked_fill(key_pos > pos[..., None], float("-inf")).view(s, hkv, r, nb, kv_tile)
-    m = scores.amax(-1).cummax(-1).values
-    p = torch.exp(scores - m[..., None])
-    rowsum = row_sum(p, -1, False)
-    pv = bmm(p.transpose(2, 3).contiguous(), v.float().reshape(s, hkv, nb, kv_tile, d))
-    l_acc, acc = rowsum[..., 0], pv[:, :, 0]
-    if nb > 1:
-        alpha = torch.exp(m[..., :-1] - m[..., 1:])
-        for j in range(1, nb):
-            a = alpha[..., j - 1]
-            l_acc = l_acc * a + rowsum[..., j]
-            acc = acc * a[..., None] + pv[:, :, j]
-    return acc / l_acc[..., None]
+    """kernels.reference.attention.tile_attention's loop with vendor GEMMs and row sums."""
+    return reference_tile(q, k, v, pos, scale, kv_tile, matmul=lambda a, b: bmm(a.contiguous(), b.contiguous()),
+                          row_sum=lambda t: row_sum(t, -1, False))
 
 
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, row_tile: int, kv_tile: int) -> Tensor:
     """kernels.reference.attention.attention over :func:`tile_attention`."""
-    length = -(-batch.max_kv_len // kv_tile) * kv_tile
-    k, v = kv.dense(length)
-    hkv = k.shape[2]
-    if q.shape[1] % hkv:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    qd, pos, rows = group_queries(q, batch, hkv, row_tile)
-    s, _, r_pad, _ = qd.shape
-    chunk = max(row_tile, (_SCORE_BUDGET // max(1, s * hkv * length)) // row_tile * row_tile)
-    parts = [tile_attention(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile)
-             for r0 in range(0, r_pad, chunk)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return ungroup(out.to(q.dtype), batch, rows, batch.num_rows)
+    return reference_attention(q, kv, batch, scale, row_tile=row_tile, kv_tile=kv_tile, tile=tile_attention)

@@ -21,6 +21,7 @@ are combined with ``cummax`` (max is exact, so this equals the sequential recurr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -61,21 +62,28 @@ def ungroup(out: Tensor, batch: AttentionBatch, rows: int, num_rows: int) -> Ten
     return result
 
 
-def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int) -> Tensor:
+def _row_sum(t: Tensor) -> Tensor:
+    return t.sum(-1)
+
+
+def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int, *,
+                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+                   row_sum: Callable[[Tensor], Tensor] = _row_sum) -> Tensor:
     """The tile routine. ``q [S, Hkv, R, D]``, ``k``/``v`` ``[S, Hkv, L, D]`` with ``L`` a multiple
-    of ``kv_tile``, ``pos [S, 1, R]`` each row's position. Returns fp32 ``[S, Hkv, R, D]``."""
+    of ``kv_tile``, ``pos [S, 1, R]`` each row's position. Returns fp32 ``[S, Hkv, R, D]``.
+    ``matmul``/``row_sum`` let a backend supply its own GEMM and row sum (the loop stays this one)."""
     s, hkv, r, d = q.shape
     length = k.shape[2]
     nb = length // kv_tile
     kt = k.float().transpose(2, 3)  # [S, Hkv, D, L]
     vb = v.float().reshape(s, hkv, nb, kv_tile, d)
     key_pos = torch.arange(length, device=q.device)
-    scores = (q.float() @ kt) * scale  # [S, Hkv, R, L]
+    scores = matmul(q.float(), kt) * scale  # [S, Hkv, R, L]
     scores = scores.masked_fill(key_pos > pos[..., None], float("-inf")).view(s, hkv, r, nb, kv_tile)
     m = scores.amax(-1).cummax(-1).values  # running max after each tile  [S, Hkv, R, nb]
     p = torch.exp(scores - m[..., None])
-    rowsum = p.sum(-1)  # [S, Hkv, R, nb]
-    pv = p.transpose(2, 3) @ vb  # [S, Hkv, nb, R, D]
+    rowsum = row_sum(p)  # [S, Hkv, R, nb]
+    pv = matmul(p.transpose(2, 3), vb)  # [S, Hkv, nb, R, D]
     l_acc = rowsum[..., 0]
     acc = pv[:, :, 0]
     if nb > 1:
@@ -88,7 +96,7 @@ def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, k
 
 
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, row_tile: int,
-              kv_tile: int) -> Tensor:
+              kv_tile: int, tile: Callable[..., Tensor] = tile_attention) -> Tensor:
     length = -(-batch.max_kv_len // kv_tile) * kv_tile
     k, v = kv.dense(length)  # [S, L, Hkv, D]
     # Slots past a sequence's end are never attended (p = 0 exactly), but 0 * inf would be NaN:
@@ -102,7 +110,7 @@ def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, r
     qd, pos, rows = group_queries(q, batch, hkv, row_tile)
     s, _, r_pad, _ = qd.shape
     chunk = max(row_tile, (_SCORE_BUDGET // max(1, s * hkv * length)) // row_tile * row_tile)
-    parts = [tile_attention(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile)
+    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile)
              for r0 in range(0, r_pad, chunk)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return ungroup(out.to(q.dtype), batch, rows, batch.num_rows)

@@ -25,7 +25,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
+        # address="local": always a new cluster, never one another process left running
+        ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False)
     return str(ray.get_runtime_context().gcs_address)
 

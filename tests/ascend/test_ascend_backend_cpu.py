@@ -117,7 +117,9 @@ def test_ray_and_k8s_placement() -> None:
 def test_ray_schedules_an_npu_actor_only_where_npus_exist() -> None:
     """On this CPU box a CPU actor runs; an {"NPU": 1} request stays pending (no NPU resource)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
+
+    init_ray(num_cpus=1)  # a new local cluster, every listener on loopback
     try:
         @ray.remote
         def where() -> str:
@@ -130,7 +132,7 @@ def test_ray_schedules_an_npu_actor_only_where_npus_exist() -> None:
         assert ready == []
         ray.cancel(pending, force=True)
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 # ---------------------------------------------------------------------------------------------

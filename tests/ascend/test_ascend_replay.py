@@ -55,11 +55,7 @@ def reference_with_intermediates(q, kv, batch, scale, row_tile, kv_tile) -> tupl
         calls.append((qd, k, v, pos, scale_, kv_tile_))
         return original(qd, k, v, pos, scale_, kv_tile_)
 
-    ref_attention.tile_attention = spy
-    try:
-        out = ref_attention.attention(q, kv, batch, scale, row_tile=row_tile, kv_tile=kv_tile)
-    finally:
-        ref_attention.tile_attention = original
+    out = ref_attention.attention(q, kv, batch, scale, row_tile=row_tile, kv_tile=kv_tile, tile=spy)
     assert len(calls) == 1, "keep test shapes below the reference's chunking budget"
     qd, k, v, pos, scale_, kt = calls[0]
     # The reference's own expressions, in its order (kernels/reference/attention.py).
