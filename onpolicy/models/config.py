@@ -70,6 +70,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        try:
+            return cls._from_hf(cfg)
+        except KeyError as e:
+            raise ValueError(f"model config: missing field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise ValueError(f"model config: bad value ({e})") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in _FAMILIES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
