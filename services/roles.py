@@ -1,9 +1,11 @@
 """Start one role's gRPC server (rollout, trainer or verifier) from plain options — what a Ray
-actor, ``onpolicy serve ROLE`` or a pod runs."""
+actor, ``onpolicy serve ROLE`` or a pod runs — and, when asked, its Prometheus ``/metrics``
+endpoint (``role_metrics_registry``: one registry per service, see ``services.verifier.exporter``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from onpolicy.kernels import KernelConfig
 
@@ -21,6 +23,18 @@ class RoleOptions:
     weights_fingerprint_backend: str = "reference"
     """Backend of the trainer whose weight versions this service accepts (differs from ``backend``
     only for a deliberately mismatched rollout, e.g. fast kernels to exercise the verifier)."""
+    job: str = ""
+    """Job the service runs for: the ``job`` label of its metrics ("" for a shared service)."""
+    verifier_max_samples_per_second: float = 0.0
+    """Verifier: per-job cap on samples verified per second (0 = no cap)."""
+    verifier_queue_samples: int = 1024
+    """Verifier: capacity of the asynchronous queue, in samples."""
+    mismatch_dir: str = ""
+    """Verifier: mismatch store directory (default ``$ONPOLICY_HOME/mismatches``)."""
+    mismatch_keep: int = 16
+    """Verifier: worst mismatching samples kept per job."""
+    rollout_kernel_fingerprint: str = ""
+    """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
 
     @property
     def kernel_config(self) -> KernelConfig:
@@ -29,6 +43,15 @@ class RoleOptions:
     @property
     def weights_fingerprint(self) -> str:
         return self.kernel_config.with_(backend=self.weights_fingerprint_backend).fingerprint
+
+    @property
+    def verifier_config(self) -> Any:
+        from onpolicy.verification.config import VerifierConfig
+
+        return VerifierConfig(job=self.job, max_samples_per_second=self.verifier_max_samples_per_second,
+                              queue_samples=self.verifier_queue_samples, mismatch_dir=self.mismatch_dir,
+                              mismatch_keep=self.mismatch_keep,
+                              rollout_kernel_fingerprint=self.rollout_kernel_fingerprint)
 
 
 SERVICE_NAMES = {"rollout": "onpolicy.v1.RolloutService", "trainer": "onpolicy.v1.TrainerService",
@@ -57,15 +80,61 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
     if role == "verifier":
         from .verifier.service import build_verifier_service
 
-        servicer = build_verifier_service(opts.model, opts.kernel_config)
+        servicer = build_verifier_service(opts.model, opts.kernel_config, opts.verifier_config)
         return servicer, api.verifier_pb2_grpc.add_VerifierServiceServicer_to_server
     raise ValueError(f"unknown role {role!r}; roles are rollout, trainer, verifier")
 
 
-def start_role_server(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0,
-                      token: str | None = None) -> GrpcServer:
+def role_metrics_registry(role: str, servicer: Any, job: str = "") -> Any:
+    """The ``CollectorRegistry`` of a role's servicer (call before registering the servicer with a
+    gRPC server: the trainer's metrics wrap its ``TrainStep``)."""
+    if role == "verifier":
+        return servicer.metrics.registry
+    from .verifier.role_metrics import RolloutMetrics, TrainerMetrics
+
+    if role == "rollout":
+        return RolloutMetrics(servicer, job).registry
+    if role == "trainer":
+        return TrainerMetrics(servicer, job).registry
+    raise ValueError(f"unknown role {role!r}; roles are rollout, trainer, verifier")
+
+
+@dataclass
+class RoleServer:
+    """A started role: its gRPC server and, when asked for, its metrics endpoint."""
+
+    server: GrpcServer
+    servicer: Any
+    metrics: Any = None
+    """``services.verifier.exporter.MetricsEndpoint`` or None."""
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self.server.stop(grace)
+
+
+def start_role(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+               metrics_host: str | None = None, metrics_port: int = 0) -> RoleServer:
+    """Build and start ``role``'s gRPC server; with ``metrics_host`` also serve its ``/metrics``
+    there (``metrics_port`` 0 = a free port)."""
     servicer, register = build_role_servicer(role, opts)
+    registry = role_metrics_registry(role, servicer, opts.job)
     server = GrpcServer(ServerConfig(host=host, port=port, token=token))
     server.add_service(SERVICE_NAMES[role], servicer, register)  # type: ignore[arg-type]
     server.start()
-    return server
+    endpoint = None
+    if metrics_host is not None:
+        from .verifier.exporter import MetricsEndpoint
+
+        try:
+            endpoint = MetricsEndpoint(registry, metrics_host, metrics_port)
+        except OSError:
+            server.stop(grace=0)
+            raise
+    return RoleServer(server, servicer, endpoint)
+
+
+def start_role_server(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0,
+                      token: str | None = None) -> GrpcServer:
+    return start_role(role, opts, host=host, port=port, token=token).server

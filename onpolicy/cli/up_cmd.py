@@ -24,9 +24,16 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
 
 
+def add_metrics_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--metrics-port", type=int,
+                   help=f"serve Prometheus /metrics of {what} on this port (0 = any free port; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint (default 127.0.0.1)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start Ray (embedded, loopback), the job controller and its JobService")
     add_server_args(p, 50051)
+    add_metrics_args(p, "every job's rollout, trainer and verifier, merged")
     p.add_argument("--ray-address", help="attach to this Ray cluster instead of starting one")
     p.add_argument("--state-dir", help="controller state (default $ONPOLICY_HOME/controller)")
     p.add_argument("--model", help="certify the operator set for this model at start-up")
@@ -40,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-tile", type=int, default=64)
     p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
     p.add_argument("--state-dir", help="jobs: controller state directory")
+    add_metrics_args(p, "this service (jobs: every job's services, merged)")
     p.set_defaults(func=serve)
     p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
     p.add_argument("--model", default="smollm2")
@@ -48,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="rollout kernels: fast shows the verifier catching a mismatch")
     p.add_argument("--state-dir", help="keep controller state here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per job event per line")
+    add_metrics_args(p, "the demo job's services")
     p.set_defaults(func=demo)
 
 
@@ -63,8 +72,26 @@ def server_config(args: argparse.Namespace, token: str | None) -> Any:
         fail(str(e))
 
 
-def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None) -> tuple[Any, Any]:
-    """Ray + controller + JobService; returns (server, controller)."""
+def start_metrics(registry: Any, args: argparse.Namespace) -> Any:
+    """A ``MetricsEndpoint`` for ``registry`` when ``--metrics-port`` was given, else None."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from onpolicy.services.verifier.exporter import MetricsEndpoint
+
+    if not 0 <= args.metrics_port < 65536:
+        fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    try:
+        endpoint = MetricsEndpoint(registry, args.metrics_host, args.metrics_port)
+    except OSError as e:
+        fail(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e.strerror or e}")
+    print(f"metrics endpoint: {endpoint.url}", flush=True)
+    return endpoint
+
+
+def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
+                      metrics: Any = None) -> tuple[Any, Any]:
+    """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
+    that every job's services register their /metrics with."""
     from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray
@@ -74,7 +101,8 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
     from onpolicy.services.roles import SERVICE_NAMES
 
     init_ray(ray_address)
-    controller = JobController(state_dir, RayLauncher(host="127.0.0.1", token=token))
+    controller = JobController(state_dir, RayLauncher(host="127.0.0.1", token=token, metrics=metrics,
+                                                      state_dir=state_dir))
     server = GrpcServer(config)
     server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
                        api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
@@ -108,8 +136,10 @@ def up(args: argparse.Namespace) -> int:
         from onpolicy.services.common.model import load_certified
 
         load_certified(args.model, KernelConfig())
+    hub = metrics_hub(args)
+    endpoint = start_metrics(hub.registry, args) if hub is not None else None
     server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()), args.ray_address,
-                                           token)
+                                           token, hub)
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -117,18 +147,37 @@ def up(args: argparse.Namespace) -> int:
         print("shutting down", file=sys.stderr, flush=True)
         controller.shutdown()
         server.stop()
+        close_metrics(endpoint, hub)
     return 0
+
+
+def metrics_hub(args: argparse.Namespace) -> Any:
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from onpolicy.services.verifier.exporter import MetricsHub
+
+    return MetricsHub()
+
+
+def close_metrics(endpoint: Any, hub: Any = None) -> None:
+    if endpoint is not None:
+        endpoint.close()
+    if hub is not None:
+        hub.close()
 
 
 def serve(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     config = server_config(args, token)
+    hub = None
     if args.role == "jobs":
+        hub = metrics_hub(args)
+        endpoint = start_metrics(hub.registry, args) if hub is not None else None
         server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
-                                               args.ray_address, token)
+                                               args.ray_address, token, hub)
     else:
         from onpolicy.services.common.server import GrpcServer
-        from onpolicy.services.roles import SERVICE_NAMES, RoleOptions, build_role_servicer
+        from onpolicy.services.roles import SERVICE_NAMES, RoleOptions, build_role_servicer, role_metrics_registry
 
         backend = "fast" if args.kernels == "fast" else "reference"
         opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile)
@@ -136,9 +185,11 @@ def serve(args: argparse.Namespace) -> int:
             servicer, register = build_role_servicer(args.role, opts)
         except (ValueError, OSError, RuntimeError) as e:
             fail(str(e).splitlines()[0])
+        registry = role_metrics_registry(args.role, servicer)  # before registering: it may wrap handlers
         server, controller = GrpcServer(config), None
         server.add_service(SERVICE_NAMES[args.role], servicer, register)  # type: ignore[arg-type]
         server.start()
+        endpoint = start_metrics(registry, args)
     print(f"{args.role} endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -146,6 +197,7 @@ def serve(args: argparse.Namespace) -> int:
         if controller is not None:
             controller.shutdown()
         server.stop()
+        close_metrics(endpoint, hub)
     return 0
 
 
@@ -182,7 +234,9 @@ def demo(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     say(f"starting Ray (embedded, loopback), the job controller and its services for {args.model} ...")
-    server, controller = start_jobs_server(ServerConfig(port=0, token=token), state_dir, None, token)
+    hub = metrics_hub(args)
+    endpoint = start_metrics(hub.registry, args) if hub is not None else None
+    server, controller = start_jobs_server(ServerConfig(port=0, token=token), state_dir, None, token, hub)
     try:
         stub = api.jobs_pb2_grpc.JobServiceStub(connect(server.address, token=token))
         job = stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=60).job
@@ -202,6 +256,7 @@ def demo(args: argparse.Namespace) -> int:
     finally:
         controller.shutdown()
         server.stop()
+        close_metrics(endpoint, hub)
         from onpolicy.services.cluster.local_ray import shutdown_ray
 
         shutdown_ray()

@@ -1,12 +1,21 @@
 """Role services as Ray actors: each actor serves one gRPC server (rollout, trainer or verifier),
-so the controller talks to it only over gRPC — and the same service could run in its own pod."""
+so the controller talks to it only over gRPC — and the same service could run in its own pod.
+
+Metrics: given a ``MetricsHub`` (``onpolicy up --metrics-port``), the launcher has every actor
+also serve its ``/metrics`` on an ephemeral port of its host, registers those URLs with the hub
+for the job's lifetime, and retires them (final snapshot) before the actors are killed — see
+``services.verifier.exporter``. The verifier's mismatch store goes to
+``<checkpoint dir or the job's work dir>/mismatches`` (``$ONPOLICY_HOME/mismatches`` when the
+launcher knows neither).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from onpolicy.jobs.spec import JobSpec
@@ -22,21 +31,28 @@ ROLES = ("rollout", "trainer", "verifier")
 class ServiceActor:
     """Body of the Ray actor (wrapped with ``ray.remote`` on first use)."""
 
-    def __init__(self, role: str, options: dict[str, Any], host: str, token: str | None, threads: int) -> None:
+    def __init__(self, role: str, options: dict[str, Any], host: str, token: str | None, threads: int,
+                 metrics: bool = False) -> None:
         ray_env()
         import torch
 
         torch.set_num_threads(max(1, threads))
-        from ..roles import RoleOptions, start_role_server
+        from ..roles import RoleOptions, start_role
 
-        self.server = start_role_server(role, RoleOptions(**options), host=host, token=token)
+        self.role = start_role(role, RoleOptions(**options), host=host, token=token,
+                               metrics_host=host if metrics else None)
+        self.server = self.role.server
         self.host = host
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
 
+    def metrics_url(self) -> str:
+        """``http://host:port/metrics`` of this service ("" when started without metrics)."""
+        return self.role.metrics.url if self.role.metrics is not None else ""
+
     def stop(self) -> None:
-        self.server.stop(grace=1.0)
+        self.role.stop(grace=1.0)
 
 
 _REMOTE: Any = None
@@ -51,23 +67,40 @@ def _remote_class() -> Any:
     return _REMOTE
 
 
-def role_options(spec: JobSpec, role: str) -> dict[str, Any]:
+def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str = "") -> dict[str, Any]:
     from ..roles import RoleOptions
 
     kernels = spec.rollout.kernels if role == "rollout" else "consistent"
     backend = "fast" if kernels == "fast" else spec.kernels.backend
     opts = RoleOptions(model=spec.model, backend=backend, dtype=spec.kernels.dtype, kv_tile=spec.kernels.kv_tile,
                        max_num_seqs=spec.rollout.max_num_seqs, max_batched_tokens=spec.rollout.max_batched_tokens,
-                       weights_fingerprint_backend=spec.kernels.backend)
+                       weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir)
+    if role == "verifier":  # the verifier records the rollout's kernels with the samples it stores
+        rollout = RoleOptions(**role_options(spec, "rollout"))
+        opts = replace(opts, rollout_kernel_fingerprint=rollout.kernel_config.fingerprint)
     return asdict(opts)
 
 
 class RayLauncher:
     """Starts a job's three role services as Ray actors (resources ``{"NPU": n}`` on Ascend, CPUs
-    otherwise), connects gRPC stubs to them, and kills them when the job ends."""
+    otherwise), connects gRPC stubs to them, and kills them when the job ends.
 
-    def __init__(self, host: str = "127.0.0.1", token: str | None = None) -> None:
+    ``metrics``: a ``MetricsHub`` the services' ``/metrics`` endpoints are registered with.
+    ``state_dir``: the controller's state directory (its jobs' work dirs are ``state_dir/jobs/<id>``),
+    under which the verifier keeps its mismatch store unless the spec names a checkpoint dir."""
+
+    def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
+                 state_dir: str | Path | None = None) -> None:
         self.host, self.token = host, token
+        self.metrics = metrics
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+
+    def mismatch_dir(self, job_id: str, spec: JobSpec) -> str:
+        if spec.checkpoint.dir:
+            return str(Path(spec.checkpoint.dir) / "mismatches")
+        if self.state_dir is not None:
+            return str(self.state_dir / "jobs" / job_id / "mismatches")
+        return ""
 
     @contextlib.contextmanager
     def launch(self, job_id: str, spec: JobSpec) -> Iterator[RoleStubs]:
@@ -80,14 +113,19 @@ class RayLauncher:
         remote = _remote_class()
         actors = {}
         channels = []
+        mismatch_dir = self.mismatch_dir(job_id, spec)
         try:
             for role in ROLES:
                 res = spec.resources_for(role)
                 actors[role] = remote.options(
                     name=f"onpolicy-{job_id}-{role}", max_restarts=0, **actor_options(res.npus, res.cpus),
-                ).remote(role, role_options(spec, role), self.host, self.token, max(1, int(res.cpus)))
+                ).remote(role, role_options(spec, role, job_id, mismatch_dir), self.host, self.token,
+                         max(1, int(res.cpus)), self.metrics is not None)
             addresses = {role: ray.get(a.address.remote()) for role, a in actors.items()}
             log.info("job %s services: %s", job_id, addresses)
+            if self.metrics is not None:
+                for role, a in actors.items():
+                    self.metrics.add_target(job_id, role, ray.get(a.metrics_url.remote()))
             stubs = {}
             for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
                                    ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
@@ -97,6 +135,9 @@ class RayLauncher:
                 stubs[role] = stub_cls(ch)
             yield RoleStubs(**stubs)
         finally:
+            if self.metrics is not None:
+                with contextlib.suppress(Exception):
+                    self.metrics.retire(job_id)  # final snapshot, while the services still answer
             for ch in channels:
                 ch.close()
             for a in actors.values():

@@ -1,1 +1,8 @@
-"""VerifierService: recomputes finished rollouts on the training path and reports logdiff."""
+"""VerifierService: recomputes finished rollouts on the training path and reports logdiff.
+
+``servicer`` (the RPCs: rate cap, bounded queue, wait/async), ``worker`` (drains the queue into
+batched recomputes), ``service`` (builds it on a certified operator set), ``exporter`` (HTTP
+``/metrics`` and the controller's merging ``MetricsHub``), ``role_metrics`` (rollout and trainer
+collectors). The domain side lives in ``onpolicy.verification`` (``verifier``, ``metrics``,
+``sampling``, ``mismatch_store``, ``config``).
+"""

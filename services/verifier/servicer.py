@@ -1,28 +1,40 @@
 """``VerifierServicer``: thin adapter from VerifierService RPCs to ``onpolicy.verification.Verifier``.
 
-``SubmitSamples`` with ``wait`` verifies before answering (the controller's per-step check); without
-it samples go to a bounded queue that a worker thread drains — a full queue drops samples (counted)
-rather than slowing the caller.
+* ``SubmitSamples`` accepts completions from our rollout engine or any other (``source`` "vllm" …,
+  ``kernel_fingerprint`` empty or foreign); a foreign sample with ``weight_version`` 0 is checked at
+  the verifier's current weights. Samples first pass the per-job rate cap
+  (``VerifierConfig.max_samples_per_second``; the rest are dropped with reason ``rate_limit``).
+  With ``wait`` the batch is verified before answering and its statistics returned (the
+  controller's per-step check). Without it the samples go to a bounded queue (``queue_samples``)
+  that the worker drains several batches at a time into one recompute; what does not fit is
+  dropped (reason ``queue_full``) — the caller is never slowed by a busy verifier.
+  ``accepted`` + ``dropped`` = samples sent.
+* ``GetReport`` — statistics of one job (or all), with that job's dropped count.
+* ``UpdateWeights`` — verifies the weight file (checksum, kernel fingerprint), then swaps weights
+  between two recomputes.
+* Metrics: ``metrics.registry`` (see ``onpolicy.verification.metrics``); mismatching samples go to
+  the ``MismatchStore`` under ``VerifierConfig.mismatch_path``.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
+import time
 
 import onpolicy
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
 from onpolicy.services import api
+from onpolicy.verification.config import VerifierConfig
 from onpolicy.verification.logdiff import LogdiffStats
-from onpolicy.verification.verifier import Verifier, VerifySample
+from onpolicy.verification.metrics import VerifierMetrics
+from onpolicy.verification.mismatch_store import MismatchStore
+from onpolicy.verification.sampling import RateLimiter, SampleQueue
+from onpolicy.verification.verifier import OWN_SOURCE, Verifier, VerifySample
 
 from ..common.convert import kernel_config_to_proto, weights_ref_from_proto
 from ..common.errors import InvalidArgument
 from ..common.weights import load_weight_version
-
-log = logging.getLogger(__name__)
+from .worker import VerificationWorker
 
 
 def report_proto(stats: LogdiffStats, version: int, dropped: int) -> object:
@@ -33,30 +45,38 @@ def report_proto(stats: LogdiffStats, version: int, dropped: int) -> object:
 
 
 class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, lm: LoadedModel, queue_size: int = 1024) -> None:
-        self.verifier = Verifier(lm)
+    def __init__(self, lm: LoadedModel, config: VerifierConfig | None = None) -> None:
+        self.config = cfg = config or VerifierConfig()
         self.lm = lm
         self.sha = lm.weights_sha256
-        self._queue: queue.Queue[list[VerifySample]] = queue.Queue(maxsize=queue_size)
-        self._worker = threading.Thread(target=self._drain, daemon=True, name="verifier-worker")
-        self._worker.start()
+        self.metrics = VerifierMetrics(model=lm.name, kernel_config=lm.model.ops.config, job=cfg.job,
+                                       window_s=cfg.logdiff_max_window_s, max_jobs=cfg.max_metric_jobs)
+        store = MismatchStore(cfg.mismatch_path, cfg.mismatch_keep) if cfg.mismatch_keep else None
+        self.verifier = Verifier(lm, cfg.pack_tokens, metrics=self.metrics, mismatch_store=store)
+        self.limiter = RateLimiter(cfg.max_samples_per_second, cfg.burst_samples)
+        self.queue: SampleQueue[VerifySample] = SampleQueue(cfg.queue_samples)
+        self.metrics.queue_depth = lambda: self.queue.depth
+        self.worker = VerificationWorker(self.verifier, self.queue, cfg.max_batch_samples)
 
-    def _drain(self) -> None:
-        while True:
-            batch = self._queue.get()
-            try:
-                self.verifier.verify(batch)
-            except Exception:
-                log.exception("verification of a queued batch failed")
+    def close(self) -> None:
+        self.worker.close()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued sample has been verified (tests, graceful stops)."""
+        return self.worker.flush(timeout)
 
     def _samples(self, request: object) -> list[VerifySample]:
+        now = time.time()
         out = []
         for i, s in enumerate(request.samples):  # type: ignore[attr-defined]
             c = s.completion
+            source = s.source or OWN_SOURCE
+            fingerprint = s.kernel_fingerprint or (self.config.rollout_kernel_fingerprint if source == OWN_SOURCE
+                                                   else "")
             sample = VerifySample(job_id=s.job_id, step=s.step, prompt_ids=tuple(c.prompt_ids),
                                   token_ids=tuple(c.token_ids), logprobs=tuple(c.logprobs),
                                   temperature=c.temperature or 1.0, weight_version=c.weight_version,
-                                  kernel_fingerprint=s.kernel_fingerprint, source=s.source or "onpolicy")
+                                  kernel_fingerprint=fingerprint, source=source, received_at=now)
             try:
                 self.verifier.check_sample(sample)
             except ValueError as e:
@@ -66,29 +86,48 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
             raise InvalidArgument("samples", "at least one sample is required")
         return out
 
+    def _rate_limited(self, samples: list[VerifySample]) -> list[VerifySample]:
+        """The samples the per-job rate cap lets through (in order); the rest are counted as dropped."""
+        counts: dict[str, int] = {}
+        for s in samples:
+            counts[s.job_id] = counts.get(s.job_id, 0) + 1
+        room = {job: self.limiter.admit(job, n) for job, n in counts.items()}
+        kept = []
+        for s in samples:
+            if room[s.job_id] > 0:
+                room[s.job_id] -= 1
+                kept.append(s)
+            else:
+                self.verifier.record_dropped(s.job_id, "rate_limit", 1)
+        return kept
+
     def SubmitSamples(self, request, context):
         samples = self._samples(request)
+        kept = self._rate_limited(samples)
+        capped = len(samples) - len(kept)
         if request.wait:
-            res = self.verifier.verify(samples)
+            res = self.verifier.verify(kept) if kept else None
+            stats, stale = (res.stats, res.dropped) if res else (LogdiffStats(), 0)
+            dropped = capped + stale
             return api.verifier_pb2.SubmitSamplesResponse(
-                accepted=len(samples) - res.dropped, dropped=res.dropped,
-                report=report_proto(res.stats, self.verifier.weight_version, res.dropped))
-        try:
-            self._queue.put_nowait(samples)
-        except queue.Full:
-            self.verifier.dropped += len(samples)
-            return api.verifier_pb2.SubmitSamplesResponse(accepted=0, dropped=len(samples))
-        return api.verifier_pb2.SubmitSamplesResponse(accepted=len(samples), dropped=0)
+                accepted=len(samples) - dropped, dropped=dropped,
+                report=report_proto(stats, self.verifier.weight_version, dropped))
+        accepted = self.queue.put(kept)
+        for s in kept[accepted:]:
+            self.verifier.record_dropped(s.job_id, "queue_full", 1)
+        return api.verifier_pb2.SubmitSamplesResponse(accepted=accepted, dropped=len(samples) - accepted)
 
     def GetReport(self, request, context):
         stats = self.verifier.report(request.job_id)
         return api.verifier_pb2.GetReportResponse(
-            report=report_proto(stats, self.verifier.weight_version, self.verifier.dropped))
+            report=report_proto(stats, self.verifier.weight_version, self.verifier.dropped_for(request.job_id)))
 
     def UpdateWeights(self, request, context):
+        if not request.HasField("weights"):
+            raise InvalidArgument("weights", "is required")
         ref = weights_ref_from_proto(request.weights)
         state = load_weight_version(ref, self.lm.model.ops.fingerprint)
-        self.verifier.update_weights(state, ref.version)
+        self.verifier.update_weights(state, ref.version, ref.path, ref.sha256)
         self.sha = weights_sha256(self.lm.model.state_dict())
         return api.verifier_pb2.VerifierServiceUpdateWeightsResponse(weight_version=ref.version,
                                                                      weight_sha256=self.sha)

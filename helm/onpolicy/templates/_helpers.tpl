@@ -1,0 +1,245 @@
+{{/* Names: cut to 40 characters so that <fullname>-head-svc and friends stay within 63. */}}
+{{- define "onpolicy.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "onpolicy.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "onpolicy.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "onpolicy.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: onpolicy
+{{- end -}}
+
+{{- define "onpolicy.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "onpolicy.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "onpolicy.rayClusterName" -}}{{ include "onpolicy.fullname" . }}{{- end -}}
+
+{{- define "onpolicy.rayAddress" -}}
+{{- if .Values.controller.rayAddress -}}
+{{- .Values.controller.rayAddress -}}
+{{- else -}}
+{{- printf "ray://%s-head-svc.%s.svc:%d" (include "onpolicy.rayClusterName" .) .Release.Namespace (int .Values.ray.clientPort) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "onpolicy.authSecretName" -}}
+{{- default (printf "%s-auth" (include "onpolicy.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "onpolicy.rayAuthSecretName" -}}
+{{- default (printf "%s-ray-auth" (include "onpolicy.fullname" .)) .Values.ray.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "onpolicy.claimName" -}}
+{{- default (printf "%s-data" (include "onpolicy.fullname" .)) .Values.storage.existingClaim -}}
+{{- end -}}
+
+{{- define "onpolicy.stateDir" -}}
+{{- printf "%s/%s" (.Values.storage.mountPath | trimSuffix "/") .Values.controller.stateSubdir -}}
+{{- end -}}
+
+{{/* image reference: (dict "image" .Values.image "root" $) */}}
+{{- define "onpolicy.imageRef" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* A token Secret that keeps its value across upgrades:
+     (dict "root" $ "name" NAME "key" KEY "keep" BOOL) */}}
+{{- define "onpolicy.tokenSecret" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- $value := "" -}}
+{{- if and $existing $existing.data (hasKey $existing.data .key) -}}
+{{- $value = index $existing.data .key -}}
+{{- else -}}
+{{- $value = randAlphaNum 48 | b64enc -}}
+{{- end -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "onpolicy.labels" .root | nindent 4 }}
+  {{- if .keep }}
+  annotations:
+    helm.sh/resource-policy: keep
+  {{- end }}
+type: Opaque
+data:
+  {{ .key }}: {{ $value }}
+{{- end -}}
+
+{{/* Environment shared by every onpolicy container (head, workers, controller). */}}
+{{- define "onpolicy.commonEnv" -}}
+- name: ONPOLICY_HOME
+  value: {{ .Values.onpolicyHome | quote }}
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "onpolicy.rayAuthSecretName" . }}
+      key: {{ .Values.ray.auth.secretKey }}
+{{- else }}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Ray pod template: (dict "root" $ "group" GROUP "role" ROLE "container" NAME "ports" LIST) */}}
+{{- define "onpolicy.rayPodTemplate" -}}
+{{- $root := .root -}}
+{{- $g := .group -}}
+{{- $npus := int (default 0 $g.npus) -}}
+{{- $image := ternary $root.Values.npuImage $root.Values.image (and (gt $npus 0) (ne $root.Values.npuImage.repository "")) -}}
+metadata:
+  labels:
+    {{- include "onpolicy.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+    {{- with $root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $root.Values.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $root.Values.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .container }}
+      image: {{ include "onpolicy.imageRef" (dict "image" $image "root" $root) | quote }}
+      imagePullPolicy: {{ $image.pullPolicy }}
+      {{- with .ports }}
+      ports:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      env:
+        {{- include "onpolicy.commonEnv" $root | nindent 8 }}
+      resources:
+        {{- include "onpolicy.resources" (dict "root" $root "group" $g) | trim | nindent 8 }}
+      volumeMounts:
+        - name: data
+          mountPath: {{ $root.Values.storage.mountPath }}
+        - name: onpolicy-home
+          mountPath: {{ $root.Values.onpolicyHome }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- if gt $npus 0 }}
+        {{- range $i, $p := $root.Values.npu.driverHostPaths }}
+        - name: npu-driver-{{ $i }}
+          mountPath: {{ $p }}
+          readOnly: true
+        {{- end }}
+        {{- end }}
+  volumes:
+    - name: data
+      persistentVolumeClaim:
+        claimName: {{ include "onpolicy.claimName" $root }}
+    - name: onpolicy-home
+      emptyDir: {}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+        {{- with $g.shmSize }}
+        sizeLimit: {{ . }}
+        {{- end }}
+    {{- if gt $npus 0 }}
+    {{- range $i, $p := $root.Values.npu.driverHostPaths }}
+    - name: npu-driver-{{ $i }}
+      hostPath:
+        path: {{ $p }}
+    {{- end }}
+    {{- end }}
+  {{- with $g.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
+
+{{/* Container resources of a Ray group: its cpu/memory plus equal NPU requests and limits (the
+     device plugin needs them equal; kernels/ascend/placement.py k8s_resources). */}}
+{{- define "onpolicy.resources" -}}
+{{- $g := .group -}}
+{{- $npus := int (default 0 $g.npus) -}}
+{{- $requests := deepCopy (default (dict) ($g.resources).requests) -}}
+{{- $limits := deepCopy (default (dict) ($g.resources).limits) -}}
+{{- if gt $npus 0 -}}
+{{- $_ := set $requests .root.Values.npu.resourceName (toString $npus) -}}
+{{- $_ := set $limits .root.Values.npu.resourceName (toString $npus) -}}
+{{- end -}}
+{{- if $requests }}
+requests:
+  {{- toYaml $requests | nindent 2 }}
+{{- end }}
+{{- if $limits }}
+limits:
+  {{- toYaml $limits | nindent 2 }}
+{{- end }}
+{{- if not (or $requests $limits) }}{}{{ end }}
+{{- end -}}
+
+{{/* rayStartParams of a group: the user's, plus resources '"{\"NPU\": n}"' (a JSON string quoted
+     once more, as KubeRay pastes it into `ray start --resources=...`). */}}
+{{- define "onpolicy.rayStartParams" -}}
+{{- $g := .group -}}
+{{- $npus := int (default 0 $g.npus) -}}
+{{- $params := dict -}}
+{{- range $k, $v := (default (dict) $g.rayStartParams) -}}
+{{- $_ := set $params $k (toString $v) -}}
+{{- end -}}
+{{- $res := deepCopy (default (dict) $g.extraRayResources) -}}
+{{- if gt $npus 0 -}}
+{{- $_ := set $res .root.Values.npu.rayResource $npus -}}
+{{- end -}}
+{{- if $res -}}
+{{- if hasKey $params "resources" -}}
+{{- fail (printf "%s: set NPUs with `npus` and other Ray resources with `extraRayResources`, not rayStartParams.resources" .name) -}}
+{{- end -}}
+{{- $_ := set $params "resources" ($res | toJson | toJson) -}}
+{{- end -}}
+{{- if $params -}}
+{{- range $k, $v := $params }}
+{{ $k }}: {{ $v | toJson }}
+{{- end }}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}

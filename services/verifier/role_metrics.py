@@ -1,0 +1,129 @@
+"""Prometheus metrics of the rollout and trainer services (the verifier's are in
+``onpolicy.verification.metrics``), each in a ``CollectorRegistry`` of its own, read from the
+engine at scrape time. Labels ``job``, ``model``, ``role``; both also export the cross-role
+``onpolicy_weight_version`` and ``onpolicy_kernel_config_info`` (``role`` tells the three apart, so
+a weight-version or kernel skew between rollout, trainer and verifier is one query).
+
+Rollout (``role="rollout"``):
+
+====================================================  =======  ======================================
+``onpolicy_rollout_tokens_generated_total``           counter  sampled tokens
+``onpolicy_rollout_tokens_computed_total``            counter  token rows computed (prefill + decode)
+``onpolicy_rollout_steps_total``                      counter  engine steps
+``onpolicy_rollout_busy_seconds_total``               counter  seconds spent in engine steps
+``onpolicy_rollout_tokens_per_second``                gauge    generated tokens per busy second
+                                                               (wall-clock: ``rate(…_generated_total)``)
+``onpolicy_rollout_queue_depth``                      gauge    sequences waiting for admission
+``onpolicy_rollout_running_sequences``                gauge    sequences in the running batch
+``onpolicy_rollout_kv_cache_usage_ratio``             gauge    KV pages held by sequences / all pages
+``onpolicy_rollout_prefix_cache_hits_total``          counter  KV pages reused from the prefix cache
+``onpolicy_rollout_preemptions_total``                counter  sequences preempted for KV space
+====================================================  =======  ======================================
+
+Trainer (``role="trainer"``; the last TrainStep's numbers, recorded by wrapping the servicer's
+``TrainStep`` before it is registered with the gRPC server):
+
+====================================================  =======  ======================================
+``onpolicy_trainer_step``                             gauge    optimizer steps taken
+``onpolicy_trainer_step_seconds``                     gauge    duration of the last step
+``onpolicy_trainer_tokens_per_second``                gauge    tokens/s of the last step
+``onpolicy_trainer_tokens_total``                     counter  tokens trained on
+``onpolicy_trainer_loss`` / ``_grad_norm`` /          gauge    of the last step
+``_clip_fraction`` / ``_old_logprob_max_abs_diff``
+====================================================  =======  ======================================
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from onpolicy.verification.metrics import BASE_LABELS, kernel_info_family, weight_version_family
+
+
+def _family(kind: str, name: str, doc: str, labels: list[str], value: float) -> Metric:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    fam = cls(name, doc, labels=list(BASE_LABELS))
+    fam.add_metric(labels, float(value))
+    return fam
+
+
+class RolloutMetrics:
+    """Collector over a ``RolloutServicer``'s engine (plain reads of counters the engine keeps)."""
+
+    def __init__(self, servicer: Any, job: str = "") -> None:
+        self.servicer = servicer
+        self.labels = (job, servicer.lm.name, "rollout")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.servicer.engine
+        st, sched, blocks = engine.stats, engine.scheduler, engine.blocks
+        lab = list(self.labels)
+        p = "onpolicy_rollout_"
+        yield _family("counter", p + "tokens_generated", "Sampled tokens", lab, st.tokens_generated)
+        yield _family("counter", p + "tokens_computed", "Token rows computed (prefill + decode)", lab,
+                      st.tokens_computed)
+        yield _family("counter", p + "steps", "Engine steps", lab, st.steps)
+        yield _family("counter", p + "busy_seconds", "Seconds spent in engine steps", lab, st.seconds)
+        yield _family("gauge", p + "tokens_per_second", "Generated tokens per busy second", lab,
+                      st.tokens_generated / st.seconds if st.seconds > 0 else 0.0)
+        yield _family("gauge", p + "queue_depth", "Sequences waiting for admission", lab, len(sched.waiting))
+        yield _family("gauge", p + "running_sequences", "Sequences in the running batch", lab, len(sched.running))
+        used = sum(1 for r in list(blocks.ref) if r > 0)
+        yield _family("gauge", p + "kv_cache_usage_ratio", "KV cache pages held by sequences / all pages", lab,
+                      used / blocks.num_pages)
+        yield _family("counter", p + "prefix_cache_hits", "KV pages reused from the prefix cache", lab, blocks.hits)
+        yield _family("counter", p + "preemptions", "Sequences preempted for KV space", lab, sched.num_preemptions)
+        yield weight_version_family(self.labels, engine.weight_version)
+        yield kernel_info_family(self.labels, self.servicer.kernel_config)
+
+
+class TrainerMetrics:
+    """Collector over a ``TrainerServicer``; wraps its ``TrainStep`` to record each step's numbers
+    (so build it before the servicer is registered with a gRPC server)."""
+
+    def __init__(self, servicer: Any, job: str = "") -> None:
+        self.servicer = servicer
+        self.labels = (job, servicer.engine.lm.name, "trainer")
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._tokens = 0
+        step = servicer.TrainStep
+
+        @functools.wraps(step)
+        def train_step(request: Any, context: Any) -> Any:
+            resp = step(request, context)
+            with self._lock:
+                self._tokens += resp.tokens
+                self._last = {"step_seconds": resp.seconds, "tokens_per_second": resp.tokens_per_second,
+                              "loss": resp.loss, "grad_norm": resp.grad_norm, "clip_fraction": resp.clip_fraction,
+                              "old_logprob_max_abs_diff": resp.old_logprob_max_abs_diff}
+            return resp
+
+        servicer.TrainStep = train_step
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        lab = list(self.labels)
+        p = "onpolicy_trainer_"
+        with self._lock:
+            last, tokens = dict(self._last), self._tokens
+        step = self.servicer.engine.step
+        yield _family("gauge", p + "step", "Optimizer steps taken", lab, step)
+        yield _family("counter", p + "tokens", "Tokens trained on", lab, tokens)
+        docs = {"step_seconds": "Duration of the last training step", "tokens_per_second": "Tokens/s of the last step",
+                "loss": "Loss of the last step", "grad_norm": "Gradient norm of the last step (before clipping)",
+                "clip_fraction": "Fraction of tokens clipped in the last step",
+                "old_logprob_max_abs_diff": "Max |old - recomputed logprob| of the last step (0 when on-policy)"}
+        for key, doc in docs.items():
+            yield _family("gauge", p + key, doc, lab, last.get(key, 0.0))
+        yield weight_version_family(self.labels, self.servicer.engine.weight_version)
+        yield kernel_info_family(self.labels, self.servicer.kernel_config)
