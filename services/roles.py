@@ -90,7 +90,7 @@ def role_metrics_registry(role: str, servicer: Any, job: str = "") -> Any:
     gRPC server: the trainer's metrics wrap its ``TrainStep``)."""
     if role == "verifier":
         return servicer.metrics.registry
-    from .verifier.role_metrics import RolloutMetrics, TrainerMetrics
+    from .common.role_metrics import RolloutMetrics, TrainerMetrics
 
     if role == "rollout":
         return RolloutMetrics(servicer, job).registry

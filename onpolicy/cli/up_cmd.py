@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_server_args(p, 50051)
     add_metrics_args(p, "every job's rollout, trainer and verifier, merged")
     p.add_argument("--ray-address", help="attach to this Ray cluster instead of starting one")
+    p.add_argument("--service-host", default="127.0.0.1",
+                   help="address each job's role services bind (default 127.0.0.1; 0.0.0.0 on a multi-node "
+                        "cluster, where they advertise their node's IP)")
     p.add_argument("--state-dir", help="controller state (default $ONPOLICY_HOME/controller)")
     p.add_argument("--model", help="certify the operator set for this model at start-up")
     p.set_defaults(func=up)
@@ -46,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv-tile", type=int, default=64)
     p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
+    p.add_argument("--service-host", default="127.0.0.1",
+                   help="jobs: address each job's role services bind (0.0.0.0 on a multi-node cluster)")
     p.add_argument("--state-dir", help="jobs: controller state directory")
     add_metrics_args(p, "this service (jobs: every job's services, merged)")
     p.set_defaults(func=serve)
@@ -89,9 +94,11 @@ def start_metrics(registry: Any, args: argparse.Namespace) -> Any:
 
 
 def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
-                      metrics: Any = None) -> tuple[Any, Any]:
+                      metrics: Any = None, service_host: str = "127.0.0.1") -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
-    that every job's services register their /metrics with."""
+    that every job's services register their /metrics with (the controller's own job metrics are
+    added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
+    they then advertise their node's IP)."""
     from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray
@@ -101,8 +108,12 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
     from onpolicy.services.roles import SERVICE_NAMES
 
     init_ray(ray_address)
-    controller = JobController(state_dir, RayLauncher(host="127.0.0.1", token=token, metrics=metrics,
+    controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
                                                       state_dir=state_dir))
+    if metrics is not None:
+        from onpolicy.services.jobs.metrics import ControllerMetrics
+
+        metrics.registry.register(ControllerMetrics(controller))
     server = GrpcServer(config)
     server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
                        api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
@@ -139,7 +150,7 @@ def up(args: argparse.Namespace) -> int:
     hub = metrics_hub(args)
     endpoint = start_metrics(hub.registry, args) if hub is not None else None
     server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()), args.ray_address,
-                                           token, hub)
+                                           token, hub, args.service_host)
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -174,7 +185,7 @@ def serve(args: argparse.Namespace) -> int:
         hub = metrics_hub(args)
         endpoint = start_metrics(hub.registry, args) if hub is not None else None
         server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
-                                               args.ray_address, token, hub)
+                                               args.ray_address, token, hub, args.service_host)
     else:
         from onpolicy.services.common.server import GrpcServer
         from onpolicy.services.roles import SERVICE_NAMES, RoleOptions, build_role_servicer, role_metrics_registry

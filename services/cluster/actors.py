@@ -42,14 +42,26 @@ class ServiceActor:
         self.role = start_role(role, RoleOptions(**options), host=host, token=token,
                                metrics_host=host if metrics else None)
         self.server = self.role.server
-        self.host = host
+        self.host = advertised_host(host)
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
 
     def metrics_url(self) -> str:
         """``http://host:port/metrics`` of this service ("" when started without metrics)."""
-        return self.role.metrics.url if self.role.metrics is not None else ""
+        if self.role.metrics is None:
+            return ""
+        return f"http://{self.host}:{self.role.metrics.url.rsplit(':', 1)[1]}"
+
+
+def advertised_host(bind: str) -> str:
+    """The address other nodes reach a service bound to ``bind`` at: the node's IP for a wildcard
+    bind (services of a multi-node cluster, e.g. KubeRay worker pods), else ``bind`` itself."""
+    if bind in ("0.0.0.0", "::", "[::]", ""):
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    return bind
 
     def stop(self) -> None:
         self.role.stop(grace=1.0)
@@ -92,6 +104,7 @@ class RayLauncher:
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
                  state_dir: str | Path | None = None) -> None:
         self.host, self.token = host, token
+        self.loopback = host.startswith("127.") or host in ("localhost", "::1", "[::1]")
         self.metrics = metrics
         self.state_dir = Path(state_dir) if state_dir is not None else None
 
@@ -130,7 +143,9 @@ class RayLauncher:
             for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
                                    ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
                                    ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
-                ch = connect(addresses[role], token=self.token)
+                # off-loopback (a multi-node cluster) the token crosses the cluster network in plaintext:
+                # deploy/helm restricts that network (docs/deploy.md); TLS between roles is not built yet
+                ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
                 channels.append(ch)
                 stubs[role] = stub_cls(ch)
             yield RoleStubs(**stubs)

@@ -2,7 +2,7 @@
 
 ``servicer`` (the RPCs: rate cap, bounded queue, wait/async), ``worker`` (drains the queue into
 batched recomputes), ``service`` (builds it on a certified operator set), ``exporter`` (HTTP
-``/metrics`` and the controller's merging ``MetricsHub``), ``role_metrics`` (rollout and trainer
-collectors). The domain side lives in ``onpolicy.verification`` (``verifier``, ``metrics``,
-``sampling``, ``mismatch_store``, ``config``).
+``/metrics`` and the controller's merging ``MetricsHub``); rollout and trainer collectors are in
+``onpolicy.services.common.role_metrics``. The domain side lives in ``onpolicy.verification``
+(``verifier``, ``metrics``, ``sampling``, ``mismatch_store``, ``config``).
 """

@@ -223,9 +223,6 @@ def test_live_services_export_every_metric_the_dashboard_and_alerts_query(live_r
         assert verifier_metric in exposition_names(live_role_metrics["verifier"])[0], verifier_metric
 
 
-@pytest.mark.xfail(strict=True, reason="handoff: the job controller does not export onpolicy_job_reward_mean yet "
-                                       "(the dashboard's reward panel); strict, so this fails once it does — then "
-                                       "remove this marker")
 def test_controller_endpoint_exports_the_controller_metrics(tmp_path) -> None:
     """The chart's contract: `onpolicy up --metrics-port P` serves one aggregated /metrics; the
     metrics that only the controller knows must be declared there."""
