@@ -48,6 +48,7 @@ class GRPOLoop:
         self.ckpt_dir = Path(spec.checkpoint.dir or workdir) / "checkpoints"
         self.on_event, self.should_stop = on_event, should_stop
         self.weight_version = 0
+        self._rollout_fingerprint: str | None = None
 
     def _check(self) -> None:
         if self.should_stop():
@@ -63,12 +64,20 @@ class GRPOLoop:
         comps = [r.completion for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S)]
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
 
+    def rollout_fingerprint(self) -> str:
+        """Kernel fingerprint of the rollout service (recorded with every sample it produced)."""
+        if self._rollout_fingerprint is None:
+            info = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(), timeout=60).info
+            self._rollout_fingerprint = info.kernel_fingerprint
+        return self._rollout_fingerprint
+
     def _verify(self, comps: list[Any], step: int) -> Any:
         rng = random.Random(self.spec.seed * 7919 + step)
         chosen = [c for c in comps if rng.random() < self.spec.verifier.sample_fraction] or comps[:1]
         req = api.verifier_pb2.SubmitSamplesRequest(
-            samples=[api.verifier_pb2.Sample(job_id=self.job_id, step=step, completion=c, source="onpolicy")
-                     for c in chosen], wait=True)
+            samples=[api.verifier_pb2.Sample(job_id=self.job_id, step=step, completion=c, source="onpolicy",
+                                             kernel_fingerprint=self.rollout_fingerprint()) for c in chosen],
+            wait=True)
         return self.stubs.verifier.SubmitSamples(req, timeout=CALL_TIMEOUT_S).report
 
     def _train(self, comps: list[Any], advantages: list[float]) -> Any:
