@@ -170,6 +170,11 @@ class Verifier:
         with self._stats:
             return self.dropped_per_job.get(job_id, 0) if job_id else self.dropped
 
+    def weights_snapshot(self) -> tuple[dict[str, torch.Tensor], int]:
+        """A copy of the current weights and their version (for a diagnosis replay)."""
+        with self._compute:
+            return {k: v.detach().clone() for k, v in self.lm.model.state_dict().items()}, self.weight_version
+
     def update_weights(self, state: dict[str, torch.Tensor], version: int, path: str = "", sha256: str = "") -> None:
         with self._compute:
             copy_weights_(self.lm.model, state)

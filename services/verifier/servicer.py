@@ -18,13 +18,19 @@
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 
 import onpolicy
+from onpolicy.kernels import get_backend
 from onpolicy.kernels.selftest import is_certified
-from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.models.checkpoint import LoadedModel, copy_weights_, weights_sha256
+from onpolicy.models.registry import load_model
 from onpolicy.services import api
 from onpolicy.verification.config import VerifierConfig
+from onpolicy.verification.doctor import diagnose_sample
+from onpolicy.verification.doctor_paths import PathOptions
 from onpolicy.verification.logdiff import LogdiffStats
 from onpolicy.verification.metrics import VerifierMetrics
 from onpolicy.verification.mismatch_store import MismatchStore
@@ -138,3 +144,45 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
             service="verifier", model=self.lm.name, kernel_fingerprint=cfg.fingerprint,
             kernel_config=kernel_config_to_proto(cfg), weight_sha256=self.sha,
             weight_version=self.verifier.weight_version, certified=is_certified(cfg), version=onpolicy.__version__))
+
+    def _diagnosis_loader(self) -> Callable[[str, str], LoadedModel]:
+        """Models for the doctor's two paths: this verifier's model at its current weight version, in
+        the dtype a path asks for (a private copy: the doctor never touches the serving model)."""
+        state, _ = self.verifier.weights_snapshot()
+        cache: dict[str, LoadedModel] = {}
+
+        def load(ref: str, dtype: str) -> LoadedModel:
+            if dtype not in cache:
+                lm = load_model(self.lm.name, get_backend(self.lm.model.ops.config.with_(compute_dtype=dtype)))
+                copy_weights_(lm.model, state)
+                cache[dtype] = LoadedModel(lm.name, lm.model, lm.tokenizer, weights_sha256(lm.model.state_dict()))
+            return cache[dtype]
+
+        return load
+
+    def Diagnose(self, request, context):
+        if not request.HasField("sample"):
+            raise InvalidArgument("sample", "is required")
+        s = self._samples(api.verifier_pb2.SubmitSamplesRequest(samples=[request.sample]))[0]
+        record = {"model": self.lm.name, "prompt_ids": list(s.prompt_ids), "token_ids": list(s.token_ids),
+                  "logprobs": list(s.logprobs), "temperature": s.temperature, "source": s.source,
+                  "job_id": s.job_id, "step": s.step, "weight_version": s.weight_version}
+        if s.kernel_fingerprint:
+            record["kernel_fingerprint"] = s.kernel_fingerprint
+        for field in ("rollout_options", "trainer_options"):
+            try:
+                PathOptions.parse(getattr(request, field))
+            except ValueError as e:
+                raise InvalidArgument(field, str(e)) from None
+        try:
+            d = diagnose_sample(record, rollout=request.rollout_options or None,
+                                trainer=request.trainer_options or None, loader=self._diagnosis_loader())
+        except ValueError as e:
+            raise InvalidArgument("sample", str(e)) from None
+        report = d.to_dict()
+        layer = report.get("layer")
+        return api.verifier_pb2.DiagnoseResponse(
+            divergent=bool(report["divergent"]), fault_class=str(report["class"]), cause=str(report.get("cause") or ""),
+            layer=layer if isinstance(layer, int) else -1, op=str(report.get("op") or ""),
+            max_abs_logdiff=float(report["max_abs_logdiff"]), summary=str(report.get("summary") or ""),
+            report_json=json.dumps(report))
