@@ -214,8 +214,9 @@ def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
 
 
 def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[str], None] | None = None,
-                 ) -> SelftestReport:
-    ops = get_backend(config)
+                 backend: Backend | None = None) -> SelftestReport:
+    """Probe ``backend`` (default: the registry's backend for ``config``) on this machine."""
+    ops = backend or get_backend(config)
     t0 = time.perf_counter()
     report = SelftestReport(config.backend, config.fingerprint, shapes, machine_info())
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from ascend_cpu_support import NativeLib, paged_cache
 
-import onpolicy.kernels.selftest as selftest_mod
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 from onpolicy.kernels.ascend import (
     DETERMINISTIC_ENV,
@@ -318,12 +317,11 @@ def test_emulated_backend_linear_norm_and_logprobs_with_grads(emulated) -> None:
     assert "log_softmax" in ops.calls
 
 
-def test_selftest_certifies_the_emulated_backend(native: NativeLib, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selftest_certifies_the_emulated_backend(native: NativeLib) -> None:
     ops = ReplayOps(native)
     config = KernelConfig(backend="ascend")
     backend = AscendBackend(config, ops=ops, device="cpu")
-    monkeypatch.setattr(selftest_mod, "get_backend", lambda cfg: backend)
-    report = run_selftest(config, ProbeShapes())
+    report = run_selftest(config, ProbeShapes(), backend=backend)
     failed = [(p.name, p.detail) for p in report.probes if not p.passed]
     assert report.certified, failed
     assert backend.fingerprint.endswith("+onpolicy")
