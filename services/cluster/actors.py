@@ -144,7 +144,7 @@ class RayLauncher:
                                    ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
                                    ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
                 # off-loopback (a multi-node cluster) the token crosses the cluster network in plaintext:
-                # deploy/helm restricts that network (docs/deploy.md); TLS between roles is not built yet
+                # restrict that network (docs/deploy.md); TLS between roles is not built yet
                 ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
                 channels.append(ch)
                 stubs[role] = stub_cls(ch)
