@@ -56,7 +56,11 @@ def uniform(keys: Tensor, steps: Tensor, vocab: int) -> Tensor:
 
 def sample(logprobs: Tensor, keys: Tensor, steps: Tensor, greedy: Tensor) -> Tensor:
     """Gumbel-max over ``logprobs [B, V]`` (already at the sampling temperature); rows with
-    ``greedy`` take the argmax (first maximum, i.e. the lowest id on ties)."""
-    gumbel = -torch.log(-torch.log(uniform(keys, steps, logprobs.shape[1])))
-    noisy = torch.where(greedy[:, None], logprobs, logprobs + gumbel)
-    return noisy.argmax(dim=-1)
+    ``greedy`` take the argmax (first maximum, i.e. the lowest id on ties). Noise is drawn only for
+    the sampled rows (a row's noise depends on its own key and step alone, so this changes no bits)."""
+    out = logprobs.argmax(dim=-1)
+    rows = (~greedy).nonzero().flatten()
+    if rows.numel():
+        gumbel = -torch.log(-torch.log(uniform(keys[rows], steps[rows], logprobs.shape[1])))
+        out[rows] = (logprobs[rows] + gumbel).argmax(dim=-1)
+    return out
