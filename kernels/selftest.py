@@ -79,7 +79,8 @@ def machine_info() -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads, restoring the previous count afterwards."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -110,7 +111,7 @@ def _rows_probe(name: str, f: Callable[[Tensor], Tensor], x: Tensor, gen: torch.
         checked += 1
         if not torch.equal(f(others)[j], full[i]):
             failures.append(f"row {i} at position {j} of {m}")
-    with _threads(1):
+    with num_threads(1):
         one = f(x)
     checked += 1
     if not torch.equal(one, full):
@@ -194,7 +195,7 @@ def _attention_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torc
         if not torch.equal(out, train[idx]):
             fails.append(f"chunk start {chunk}")
     results.append(ProbeResult("attention/chunked-prefill-paged-vs-training", not fails, checked, "; ".join(fails)))
-    with _threads(1):
+    with num_threads(1):
         one = ops.attention(q, ContiguousKV(k, v, cu), AttentionBatch.build(lens, [0] * len(lens), lens), scale)
     results.append(ProbeResult("attention/threads", torch.equal(one, train), 1,
                                "" if torch.equal(one, train) else "1 thread vs default"))

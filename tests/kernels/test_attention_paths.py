@@ -10,9 +10,7 @@ The fast backend is only required to be close, and is shown not to be invariant.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -22,6 +20,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
+from onpolicy.kernels.selftest import num_threads
 
 HQ, D = 4, 16
 #: KV tiles the reference backend is certified for on this kind of machine (tests/kernels/test_selftest.py
@@ -32,14 +31,6 @@ KV_TILES = [16, 32]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 @dataclass

@@ -7,8 +7,7 @@ in bf16. Hypothesis draws the batch sizes, positions and data.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -18,20 +17,13 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig, get_backend
+from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.causal_lm import rope_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HIDDEN, HEADS, HEAD_DIM, INTER, VOCAB, EXPERTS, TOP_K = 64, 4, 16, 128, 320, 8, 2
 
 
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def thread_counts() -> list[int]:
