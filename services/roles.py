@@ -115,12 +115,14 @@ class RoleServer:
 
 
 def start_role(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-               metrics_host: str | None = None, metrics_port: int = 0) -> RoleServer:
-    """Build and start ``role``'s gRPC server; with ``metrics_host`` also serve its ``/metrics``
-    there (``metrics_port`` 0 = a free port)."""
+               metrics_host: str | None = None, metrics_port: int = 0,
+               server_config: ServerConfig | None = None) -> RoleServer:
+    """Build and start ``role``'s gRPC server (``server_config``, e.g. with TLS, or one made of
+    ``host``/``port``/``token``); with ``metrics_host`` also serve its ``/metrics`` there
+    (``metrics_port`` 0 = a free port)."""
     servicer, register = build_role_servicer(role, opts)
     registry = role_metrics_registry(role, servicer, opts.job)
-    server = GrpcServer(ServerConfig(host=host, port=port, token=token))
+    server = GrpcServer(server_config or ServerConfig(host=host, port=port, token=token))
     server.add_service(SERVICE_NAMES[role], servicer, register)  # type: ignore[arg-type]
     server.start()
     endpoint = None

@@ -187,20 +187,23 @@ def serve(args: argparse.Namespace) -> int:
         server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
                                                args.ray_address, token, hub, args.service_host)
     else:
-        from onpolicy.services.common.server import GrpcServer
-        from onpolicy.services.roles import SERVICE_NAMES, RoleOptions, build_role_servicer, role_metrics_registry
+        from onpolicy.services.roles import RoleOptions, start_role
 
         backend = "fast" if args.kernels == "fast" else "reference"
         opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile)
+        if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+            fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
         try:
-            servicer, register = build_role_servicer(args.role, opts)
-        except (ValueError, OSError, RuntimeError) as e:
+            role = start_role(args.role, opts, server_config=config,
+                              metrics_host=args.metrics_host if args.metrics_port is not None else None,
+                              metrics_port=args.metrics_port or 0)
+        except OSError as e:
+            fail(f"cannot serve {args.role}: {e.strerror or e}")
+        except (ValueError, RuntimeError) as e:
             fail(str(e).splitlines()[0])
-        registry = role_metrics_registry(args.role, servicer)  # before registering: it may wrap handlers
-        server, controller = GrpcServer(config), None
-        server.add_service(SERVICE_NAMES[args.role], servicer, register)  # type: ignore[arg-type]
-        server.start()
-        endpoint = start_metrics(registry, args)
+        server, controller, endpoint = role.server, None, role.metrics
+        if endpoint is not None:
+            print(f"metrics endpoint: {endpoint.url}", flush=True)
     print(f"{args.role} endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
