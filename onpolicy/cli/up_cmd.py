@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "cluster, where they advertise their node's IP)")
     p.add_argument("--state-dir", help="controller state (default $ONPOLICY_HOME/controller)")
     p.add_argument("--model", help="certify the operator set for this model at start-up")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="times Ray restarts a job's crashed role service; the job then resumes from its last "
+                        "checkpoint (default 3)")
     p.set_defaults(func=up)
     p = sub.add_parser("serve", help="run one service standalone (jobs, rollout, trainer or verifier)")
     p.add_argument("role", choices=["jobs", "rollout", "trainer", "verifier"])
@@ -94,7 +97,7 @@ def start_metrics(registry: Any, args: argparse.Namespace) -> Any:
 
 
 def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
-                      metrics: Any = None, service_host: str = "127.0.0.1") -> tuple[Any, Any]:
+                      metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3) -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
     that every job's services register their /metrics with (the controller's own job metrics are
     added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
@@ -109,7 +112,7 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
 
     init_ray(ray_address)
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
-                                                      state_dir=state_dir))
+                                                      state_dir=state_dir, max_restarts=max_restarts))
     if metrics is not None:
         from onpolicy.services.jobs.metrics import ControllerMetrics
 
@@ -142,6 +145,8 @@ def default_state_dir() -> Path:
 def up(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     config = server_config(args, token)
+    if args.max_restarts < 0:
+        fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.model:
         from onpolicy.kernels import KernelConfig
         from onpolicy.services.common.model import load_certified
@@ -150,7 +155,7 @@ def up(args: argparse.Namespace) -> int:
     hub = metrics_hub(args)
     endpoint = start_metrics(hub.registry, args) if hub is not None else None
     server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()), args.ray_address,
-                                           token, hub, args.service_host)
+                                           token, hub, args.service_host, args.max_restarts)
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()

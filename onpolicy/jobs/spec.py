@@ -75,7 +75,10 @@ class RolloutSpec(_Strict):
 class CheckpointSpec(_Strict):
     dir: str = ""
     """Shared storage for checkpoints and weight versions (default: under the controller's state dir)."""
-    interval: int = Field(0, ge=0)
+    interval: int = Field(1, ge=0)
+    """Checkpoint every ``interval`` steps (besides step 0 and the last step; 0 = only those). A job
+    resumed after a lost service or a controller restart continues from its latest checkpoint, so
+    with 1 no completed step is ever redone; with N it redoes up to N - 1 steps (bitwise the same)."""
 
 
 class KernelSpec(_Strict):

@@ -7,12 +7,18 @@ for the job's lifetime, and retires them (final snapshot) before the actors are 
 ``services.verifier.exporter``. The verifier's mismatch store goes to
 ``<checkpoint dir or the job's work dir>/mismatches`` (``$ONPOLICY_HOME/mismatches`` when the
 launcher knows neither).
+
+Restarts: every actor is created with ``max_restarts`` (``onpolicy up --max-restarts``, default 3).
+A restarted actor builds a fresh role server on a new port; the stubs the launcher yields carry a
+``reconnect`` that waits for every actor to answer again, re-resolves their addresses and
+reconnects (the loop then restores the trainer's checkpoint and re-pushes that weight version).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,6 +32,9 @@ from .local_ray import ray_env
 
 log = logging.getLogger(__name__)
 ROLES = ("rollout", "trainer", "verifier")
+DEFAULT_MAX_RESTARTS = 3
+#: How long ``reconnect`` waits for a restarted actor to serve again.
+RESOLVE_TIMEOUT_S = 300.0
 
 
 class ServiceActor:
@@ -53,6 +62,9 @@ class ServiceActor:
             return ""
         return f"http://{self.host}:{self.role.metrics.url.rsplit(':', 1)[1]}"
 
+    def stop(self) -> None:
+        self.role.stop(grace=1.0)
+
 
 def advertised_host(bind: str) -> str:
     """The address other nodes reach a service bound to ``bind`` at: the node's IP for a wildcard
@@ -62,9 +74,6 @@ def advertised_host(bind: str) -> str:
 
         return str(ray.util.get_node_ip_address())
     return bind
-
-    def stop(self) -> None:
-        self.role.stop(grace=1.0)
 
 
 _REMOTE: Any = None
@@ -93,20 +102,39 @@ def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str =
     return asdict(opts)
 
 
+def resolve_address(actor: Any, timeout_s: float = RESOLVE_TIMEOUT_S) -> str:
+    """The gRPC address ``actor`` serves on, waiting while Ray restarts it (a call that reached it
+    as it died fails with ``RayActorError``: retried until ``timeout_s``; then the error stands)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return str(ray.get(actor.address.remote(), timeout=max(1.0, deadline - time.monotonic())))
+        except ray.exceptions.RayActorError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
 class RayLauncher:
     """Starts a job's three role services as Ray actors (resources ``{"NPU": n}`` on Ascend, CPUs
-    otherwise), connects gRPC stubs to them, and kills them when the job ends.
+    otherwise, restarted by Ray up to ``max_restarts`` times), connects gRPC stubs to them (and
+    reconnects after a restart), and kills them when the job ends.
 
     ``metrics``: a ``MetricsHub`` the services' ``/metrics`` endpoints are registered with.
     ``state_dir``: the controller's state directory (its jobs' work dirs are ``state_dir/jobs/<id>``),
     under which the verifier keeps its mismatch store unless the spec names a checkpoint dir."""
 
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
-                 state_dir: str | Path | None = None) -> None:
+                 state_dir: str | Path | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
+        if max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0")
         self.host, self.token = host, token
         self.loopback = host.startswith("127.") or host in ("localhost", "::1", "[::1]")
         self.metrics = metrics
         self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.max_restarts = max_restarts
 
     def mismatch_dir(self, job_id: str, spec: JobSpec) -> str:
         if spec.checkpoint.dir:
@@ -115,40 +143,50 @@ class RayLauncher:
             return str(self.state_dir / "jobs" / job_id / "mismatches")
         return ""
 
-    @contextlib.contextmanager
-    def launch(self, job_id: str, spec: JobSpec) -> Iterator[RoleStubs]:
+    def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any]) -> RoleStubs:
+        """Stubs to the actors' current addresses (closing the channels of a previous connection)."""
         import ray
 
         from onpolicy.services import api
 
         from ..common.client import connect
 
+        addresses = {role: resolve_address(a) for role, a in actors.items()}
+        log.info("job %s services: %s", job_id, addresses)
+        for ch in channels:
+            ch.close()
+        channels.clear()
+        if self.metrics is not None:
+            for role, a in actors.items():
+                self.metrics.add_target(job_id, role, ray.get(a.metrics_url.remote()))
+        stubs = {}
+        for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
+                               ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
+                               ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
+            # off-loopback (a multi-node cluster) the token crosses the cluster network in plaintext:
+            # restrict that network (docs/deploy.md); TLS between roles is not built yet
+            ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
+            channels.append(ch)
+            stubs[role] = stub_cls(ch)
+        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels))
+
+    @contextlib.contextmanager
+    def launch(self, job_id: str, spec: JobSpec) -> Iterator[RoleStubs]:
+        import ray
+
         remote = _remote_class()
         actors = {}
-        channels = []
+        channels: list[Any] = []
         mismatch_dir = self.mismatch_dir(job_id, spec)
         try:
             for role in ROLES:
                 res = spec.resources_for(role)
                 actors[role] = remote.options(
-                    name=f"onpolicy-{job_id}-{role}", max_restarts=0, **actor_options(res.npus, res.cpus),
+                    name=f"onpolicy-{job_id}-{role}", max_restarts=self.max_restarts,
+                    **actor_options(res.npus, res.cpus),
                 ).remote(role, role_options(spec, role, job_id, mismatch_dir), self.host, self.token,
                          max(1, int(res.cpus)), self.metrics is not None)
-            addresses = {role: ray.get(a.address.remote()) for role, a in actors.items()}
-            log.info("job %s services: %s", job_id, addresses)
-            if self.metrics is not None:
-                for role, a in actors.items():
-                    self.metrics.add_target(job_id, role, ray.get(a.metrics_url.remote()))
-            stubs = {}
-            for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
-                                   ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
-                                   ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
-                # off-loopback (a multi-node cluster) the token crosses the cluster network in plaintext:
-                # restrict that network (docs/deploy.md); TLS between roles is not built yet
-                ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
-                channels.append(ch)
-                stubs[role] = stub_cls(ch)
-            yield RoleStubs(**stubs)
+            yield self._connect(job_id, actors, channels)
         finally:
             if self.metrics is not None:
                 with contextlib.suppress(Exception):

@@ -1,9 +1,9 @@
 """``JobController``: accepts jobs, runs each in its own thread against role services started by a
 launcher (Ray actors by default), persists every state change, and streams events to watchers.
 
-A restarted controller loads the store and reruns every unfinished job from step 0 with the same
-seeds (new services start from the base weights; restoring the trainer's checkpoint over gRPC is
-not built yet), so no job is lost.
+A restarted controller loads the store and resumes every unfinished job from its last trainer
+checkpoint (``GRPOLoop.resume``: new services, the trainer restored over gRPC, that weight version
+pushed to rollout and verifier), so no job and no checkpointed step is lost.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class JobController:
             self._jobs[job_id] = job
         self.store.save(rec)
         self._emit(job, JobEvent(job_id=job_id, step=0, state=JobState.PENDING, message="submitted"))
-        self._start(job, start_step=0)
+        self._start(job)
         return rec
 
     def get(self, job_id: str) -> JobRecord:
@@ -117,12 +117,10 @@ class JobController:
                 self._jobs[rec.job_id] = job
             if not rec.state.terminal:
                 resumed.append(rec.job_id)
-                # Services are new after a restart; until the trainer can restore a checkpoint over
-                # gRPC the job reruns from step 0 with the same seeds (so the same trajectory).
                 self._emit(job, JobEvent(job_id=rec.job_id, step=0, state=JobState.PENDING,
-                                         message=f"controller restarted after step {rec.step}; rerunning from step 0"))
-                rec.step = 0
-                self._start(job, start_step=0)
+                                         message=f"controller restarted after step {rec.step}; "
+                                                 "resuming from the last checkpoint"))
+                self._start(job)
         return resumed
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -150,7 +148,8 @@ class JobController:
                 job.rec.state = ev.state
             if ev.state is JobState.RUNNING and ev.step:
                 job.rec.step = ev.step
-                job.rec.last_event = ev
+                if ev.weight_version:  # a step's event (not a message)
+                    job.rec.last_event = ev
             job.rec.updated_at = time.time()
             job.events.append(ev)
             self.store.append_event(ev)
@@ -162,12 +161,12 @@ class JobController:
             job.rec.error = message
         self._emit(job, JobEvent(job_id=job.rec.job_id, step=job.rec.step, state=state, message=message))
 
-    def _start(self, job: _Job, start_step: int) -> None:
-        job.thread = threading.Thread(target=self._run, args=(job, start_step), daemon=True,
+    def _start(self, job: _Job) -> None:
+        job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                       name=f"job-{job.rec.job_id}")
         job.thread.start()
 
-    def _run(self, job: _Job, start_step: int) -> None:
+    def _run(self, job: _Job) -> None:
         rec = job.rec
         try:
             spec = parse_spec(rec.spec)
@@ -178,9 +177,7 @@ class JobController:
                     raise Cancelled()
                 loop = GRPOLoop(rec.job_id, spec, stubs, problems, Path(workdir), lambda ev: self._emit(job, ev),
                                 job.cancel.is_set)
-                self._emit(job, JobEvent(job_id=rec.job_id, step=start_step, state=JobState.RUNNING,
-                                         message="services ready"))
-                loop.run(start_step)
+                loop.run()
             self._finish(job, JobState.SUCCEEDED, f"completed {spec.steps} steps")
         except Cancelled:
             if self._closed:

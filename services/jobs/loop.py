@@ -4,6 +4,14 @@ Per step: Generate (prompts × group size) → rewards → group advantages → 
 rollout's logprobs as the old logprobs (no recompute) while the verifier recomputes sampled
 completions on the training path at the same weight version → ExportWeights (versioned file,
 sha256, kernel fingerprint) → UpdateWeights on rollout and verifier → checkpoint at the interval.
+
+Resume: ``run`` first restores the trainer from the job's latest checkpoint (a fresh job saves its
+step-0 checkpoint instead) and pushes that weight version to rollout and verifier, so a job picks
+up where its last checkpoint left off whatever state the services are in. A call that fails with
+UNAVAILABLE (a service died; Ray restarts it on a new port) makes the loop re-resolve the services
+(``RoleStubs.reconnect``), restore the checkpoint again and redo the step in progress: with
+``checkpoint.interval`` 1 no step is lost or repeated, and the redone step is bitwise the one an
+uninterrupted run takes (same weights, optimizer, RNG, data cursor and sampling seed).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from onpolicy.jobs.dataset import Problem, batch_at
 from onpolicy.jobs.rewards import RewardInput, total_reward
 from onpolicy.jobs.spec import JobSpec
@@ -27,6 +37,10 @@ from onpolicy.trainer.grpo import group_advantages
 from .records import JobEvent, JobState, StepTimes
 
 CALL_TIMEOUT_S = 6 * 3600
+#: Status codes that mean "a service went away" (the loop reconnects and resumes on these).
+LOST_SERVICE = (grpc.StatusCode.UNAVAILABLE,)
+#: Reconnects in a row without a completed step before the job fails.
+MAX_RESUMES = 3
 
 
 class Cancelled(Exception):
@@ -38,6 +52,9 @@ class RoleStubs:
     rollout: Any
     trainer: Any
     verifier: Any
+    reconnect: Callable[[], RoleStubs] | None = None
+    """Re-resolve the services (a restarted one listens on a new address) and return fresh stubs;
+    None when the launcher cannot, and a lost service then fails the job."""
 
 
 class GRPOLoop:
@@ -148,6 +165,58 @@ class GRPOLoop:
             trainer_tokens_per_s=train.tokens_per_second, weight_version=self.weight_version, loss=train.loss,
             kl_k3=report.kl_k3, times=times)
 
-    def run(self, start_step: int) -> None:
-        for step in range(start_step, self.spec.steps):
-            self.on_event(self.step(step))
+    def resume(self) -> int:
+        """Restore the trainer from the job's latest checkpoint (a job without one saves its step-0
+        checkpoint instead), push that weight version to rollout and verifier; the step to run next."""
+        try:
+            restored = self.stubs.trainer.RestoreCheckpoint(
+                api.trainer_pb2.RestoreCheckpointRequest(directory=str(self.ckpt_dir)), timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self.checkpoint(0)
+            step = 0
+        else:
+            owner = json.loads(restored.extra_json or "{}").get("job_id", self.job_id)
+            if owner != self.job_id:
+                raise RuntimeError(f"checkpoint dir {self.ckpt_dir} holds job {owner}'s checkpoints")
+            step = int(restored.step)
+        self.weight_version = self._sync()
+        return step
+
+    def _event(self, step: int, message: str) -> None:
+        self.on_event(JobEvent(job_id=self.job_id, step=step, state=JobState.RUNNING, message=message))
+
+    def run(self) -> None:
+        """Resume from the last checkpoint and run the remaining steps, reconnecting and resuming
+        again whenever a service is lost (at most ``MAX_RESUMES`` times in a row without progress)."""
+        step = self.resume()
+        self._event(step, "services ready")
+        resumes = 0
+        while step < self.spec.steps:
+            try:
+                self.on_event(self.step(step))
+                step += 1
+                resumes = 0
+            except grpc.RpcError as e:
+                resumes += 1
+                step = self._recover(e, resumes)
+
+    def _recover(self, err: grpc.RpcError, attempt: int) -> int:
+        """Reconnect after a lost service and resume from the last checkpoint; the step to run next.
+        Re-raises ``err`` when it is not a lost service, or the launcher cannot reconnect, or too
+        many resumes in a row failed."""
+        while True:
+            if err.code() not in LOST_SERVICE or self.stubs.reconnect is None or attempt > MAX_RESUMES:
+                raise err
+            self._check()
+            lost = f"{err.code().name}: {err.details()}"
+            self._event(0, f"lost a service ({lost}); reconnecting")
+            try:
+                self.stubs = self.stubs.reconnect()
+                step = self.resume()
+            except grpc.RpcError as e:
+                err, attempt = e, attempt + 1
+                continue
+            self._event(step, f"resumed from the checkpoint of step {step}")
+            return step

@@ -8,6 +8,10 @@ validate -> domain types -> engine -> proto).
 * ``ExportWeights`` — ``weights-v{step}.safetensors`` written atomically, returned with its sha256.
 * ``SaveCheckpoint`` — an atomic, verified checkpoint directory on the trainer's disk (the optimizer
   state never crosses the network).
+* ``RestoreCheckpoint`` — load and verify a checkpoint on the trainer's disk and continue from it
+  exactly (weights, optimizer, reference, RNG, step); answers the step and the saved ``extra_json``.
+  No checkpoint there is NOT_FOUND; a corrupt one or one of another model or kernel set is
+  FAILED_PRECONDITION (and nothing is changed).
 * ``GetInfo`` — model, kernel config, weight checksum and version (= step), certification, step.
 
 Engine calls are serialised by one lock (the engine is not thread-safe). Validation refusals are
@@ -18,6 +22,7 @@ gradient (divergence), or a checkpoint step that already exists, is FAILED_PRECO
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import grpc
 
@@ -26,8 +31,8 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
 from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
-from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument
-from onpolicy.trainer.checkpoint import CheckpointError
+from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from onpolicy.trainer.checkpoint import LATEST, MANIFEST, CheckpointError, load_checkpoint
 from onpolicy.trainer.engine import TrainerEngine
 
 from . import requests
@@ -101,6 +106,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 raise FailedPrecondition(f"cannot write a checkpoint under {directory}: {e.strerror or e}") from None
             step = self.engine.step
         return trainer_pb2.SaveCheckpointResponse(path=str(path), step=step)
+
+    def RestoreCheckpoint(self, request: trainer_pb2.RestoreCheckpointRequest, context: grpc.ServicerContext,
+                          ) -> trainer_pb2.RestoreCheckpointResponse:
+        directory = requests.directory(request.directory)
+        if not any((Path(directory) / name).is_file() for name in (LATEST, MANIFEST)):
+            raise NotFound(f"directory: no checkpoint under {directory}")
+        try:
+            state = load_checkpoint(directory)  # verified before the engine is touched
+        except CheckpointError as e:
+            raise FailedPrecondition(str(e)) from None
+        with self._lock:
+            try:
+                self.engine.restore(state)
+            except CheckpointError as e:
+                raise FailedPrecondition(str(e)) from None
+        return trainer_pb2.RestoreCheckpointResponse(path=str(state.path), step=state.step,
+                                                     extra_json=state.extra_json)
 
     def GetInfo(self, request: trainer_pb2.TrainerServiceGetInfoRequest, context: grpc.ServicerContext,
                 ) -> trainer_pb2.TrainerServiceGetInfoResponse:
