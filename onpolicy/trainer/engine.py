@@ -2,9 +2,12 @@
 
 Determinism: a step's arithmetic depends only on the weights, the optimizer state and the request —
 samples are split into minibatches in their given order, each minibatch is packed in order into
-microbatches of at most ``pack_tokens`` rows (one packed forward each), gradients accumulate in that
-order, and AdamW runs its single-tensor (non-foreach) implementation. Two engines fed the same
-requests from the same weights (or the same checkpoint) therefore end with bitwise-equal weights.
+units of at most ``pack_tokens`` rows (one packed forward and backward each), the units' fp32
+gradients are summed in the canonical tree of ``onpolicy.trainer.reduction``, and AdamW runs its
+single-tensor (non-foreach) implementation. Two engines fed the same requests from the same weights
+(or the same checkpoint) therefore end with bitwise-equal weights — and so do ``D`` data-parallel
+ranks (``exchange``, see ``onpolicy.trainer.data_parallel``) fed the same global batch: each folds
+the units it owns, and the subtree sums are exchanged and folded identically everywhere.
 
 The step counter is the weight version: every change of the weights advances it. A non-finite
 gradient norm raises ``FloatingPointError`` before that update is applied; if earlier minibatches of
@@ -14,10 +17,12 @@ the step were applied, the counter still advances (restore a checkpoint to undo 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +35,8 @@ from onpolicy.weights import WeightsRef, export_weights
 from .checkpoint import CheckpointError, CheckpointState, save_checkpoint
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
 from .forward import ScoredSequence, pack, pack_logprobs, sequence_logprobs
-from .grpo import policy_loss
+from .grpo import LossStats, policy_loss
+from .reduction import GradientExchange, Grads, Solo, fold_levels, fold_tree, unit_range
 
 
 @contextlib.contextmanager
@@ -55,12 +61,31 @@ def minibatch_slices(n: int, minibatches: int) -> list[range]:
     return [range(bounds[k], bounds[k + 1]) for k in range(minibatches)]
 
 
+_UnitStats = tuple[float, LossStats, float]
+"""A unit's loss value, its loss statistics and its max |new - old| logprob (0 when not tracked)."""
+
+
+@dataclass(frozen=True)
+class _StepInputs:
+    """What a train step's units read: sequences, old logprobs, advantages, reference logprobs, lengths."""
+
+    seqs: list[ScoredSequence]
+    old: dict[int, Tensor]
+    adv: Tensor
+    ref: dict[int, Tensor]
+    lengths: dict[int, int]
+    loss: LossConfig
+
+
 class TrainerEngine:
     """Owns a model (made trainable), its AdamW optimizer, an optional frozen KL reference, the step
     counter and RNG state. Not thread-safe: callers serialise access."""
 
-    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None) -> None:
+    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None,
+                 exchange: GradientExchange | None = None) -> None:
         self.lm = lm
+        self.exchange: GradientExchange = exchange or Solo()
+        """The data-parallel collectives (``Solo``: one worker)."""
         self.model: CausalLM = lm.model
         self.config = config or TrainerConfig()
         self.model.requires_grad_(True)
@@ -132,24 +157,66 @@ class TrainerEngine:
         return self.optimizer
 
     # ------------------------------------------------------------------ training
+    def _take_grads(self) -> Grads:
+        """The gradients of the last backward in fp32 (``None``: not reached), leaving every ``.grad`` unset."""
+        grads: Grads = [None if p.grad is None else p.grad.float() for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
+
+    def _set_grads(self, grads: Grads | None) -> None:
+        for p, g in zip(self.params, grads or [None] * len(self.params), strict=True):
+            p.grad = None if g is None else g.to(p.dtype)
+
+    def _unit_grads(self, units: list[list[int]], inputs: _StepInputs, norm: float, track_diff: bool,
+                    stats: list[_UnitStats], u: int) -> Grads:
+        """Forward and backward of unit ``u`` alone; its statistics are appended to ``stats``."""
+        ids, loss = units[u], inputs.loss
+        new = torch.cat(pack_logprobs(self.model, [inputs.seqs[i] for i in ids]))
+        old = torch.cat([inputs.old[i] for i in ids])
+        value, st = policy_loss(
+            new, old, inputs.adv[ids], [inputs.lengths[i] for i in ids],
+            clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high, loss_agg=loss.loss_agg,
+            kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
+            ref_lp=torch.cat([inputs.ref[i] for i in ids]) if inputs.ref else None, normalizer=norm)
+        value.backward()
+        stats.append((float(value.detach()), st, float((new.detach() - old).abs().max()) if track_diff else 0.0))
+        return self._take_grads()
+
     def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
                    recompute_old: bool = False) -> StepStats:
-        """``loss.epochs`` × ``loss.minibatches`` AdamW updates on ``samples`` (one step of the counter)."""
+        """``loss.epochs`` × ``loss.minibatches`` AdamW updates on ``samples`` (one step of the counter).
+
+        Each minibatch is cut into its canonical units (in-order packs of ``pack_tokens`` rows); their
+        gradients are summed in the canonical tree of ``onpolicy.trainer.reduction``. Under a
+        data-parallel ``exchange`` every rank is given the same global ``samples``, runs forward and
+        backward only on the units it owns, and all ranks end with identical weights and statistics —
+        those of one worker on the same batch."""
         self._check(samples, loss)
         t0 = time.perf_counter()
+        ex = self.exchange
         seqs = [s.scored for s in samples]
-        old = [torch.tensor(s.old_logprobs, dtype=torch.float32, device=self.model.device) for s in samples]
+        pack_tokens = self.config.pack_tokens
+        plan = [(list(part), [[part[j] for j in micro] for micro in pack([seqs[i] for i in part], pack_tokens)])
+                for part in minibatch_slices(len(samples), loss.minibatches)]
+        owned = [unit_range(len(units), ex.size, ex.rank) for _, units in plan]
+        own = sorted({i for (_, units), mine in zip(plan, owned, strict=True) for u in mine for i in units[u]})
+        old = {i: torch.tensor(samples[i].old_logprobs, dtype=torch.float32, device=self.model.device) for i in own}
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.model.device)
         max_diff: float | None = None
         recompute_seconds = 0.0
         if recompute_old:  # the baseline that bitwise-consistent rollout logprobs make unnecessary
-            fresh = self.compute_logprobs(seqs)
-            max_diff = max(float((a - b).abs().max()) for a, b in zip(old, fresh, strict=True))
+            fresh = dict(zip(own, self.compute_logprobs([seqs[i] for i in own]), strict=True))
+            local = max((float((old[i] - fresh[i]).abs().max()) for i in own), default=0.0)
+            max_diff = max(ex.all_gather_object(local))
             old, recompute_seconds = fresh, time.perf_counter() - t0
-        ref = None
+        ref: dict[int, Tensor] = {}
         if loss.kl_coef > 0:
+            reference = self._reference_model()
             with torch.no_grad():
-                ref = sequence_logprobs(self._reference_model(), seqs, pack_tokens=self.config.pack_tokens)
+                ref = dict(zip(own, sequence_logprobs(reference, [seqs[i] for i in own], pack_tokens=pack_tokens),
+                               strict=True))
+        inputs = _StepInputs(seqs, old, adv, ref, {i: len(s.token_ids) for i, s in enumerate(samples)}, loss)
         optimizer = self._configure_optimizer(opt)
         losses, norms = [], []
         weighted = {"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0}
@@ -157,26 +224,20 @@ class TrainerEngine:
         first_diff = 0.0
         with _deterministic(self.config.deterministic):
             for epoch in range(loss.epochs):
-                for mb, part in enumerate(minibatch_slices(len(samples), loss.minibatches)):
-                    idx = list(part)
-                    lengths = [len(samples[i].token_ids) for i in idx]
-                    norm = float(sum(lengths)) if loss.loss_agg == "token-mean" else float(len(idx))
+                for mb, ((idx, units), mine) in enumerate(zip(plan, owned, strict=True)):
+                    token_mean = loss.loss_agg == "token-mean"  # global counts: every rank divides alike
+                    norm = float(sum(inputs.lengths[i] for i in idx) if token_mean else len(idx))
+                    track_diff = epoch == 0 and mb == 0 and max_diff is None
                     optimizer.zero_grad(set_to_none=True)
+                    stats: list[_UnitStats] = []
+                    unit = functools.partial(self._unit_grads, units, inputs, norm, track_diff, stats)
+                    partial = fold_tree(mine.start, mine.stop, unit)
+                    self._set_grads(fold_levels(ex.all_gather_grads(partial, self.params)))
                     mb_loss = 0.0
-                    for micro in pack([seqs[i] for i in idx], self.config.pack_tokens):
-                        ids = [idx[j] for j in micro]
-                        new = torch.cat(pack_logprobs(self.model, [seqs[i] for i in ids]))
-                        old_mb = torch.cat([old[i] for i in ids])
-                        if epoch == 0 and mb == 0 and max_diff is None:
-                            first_diff = max(first_diff, float((new.detach() - old_mb).abs().max()))
-                        value, st = policy_loss(
-                            new, old_mb, adv[ids], [lengths[j] for j in micro],
-                            clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high,
-                            loss_agg=loss.loss_agg, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
-                            ref_lp=None if ref is None else torch.cat([ref[i] for i in ids]), normalizer=norm)
-                        value.backward()
-                        mb_loss += float(value.detach())
+                    for value, st, diff in (s for rank_stats in ex.all_gather_object(stats) for s in rank_stats):
+                        mb_loss += value
                         counted += st.tokens
+                        first_diff = max(first_diff, diff)
                         for k in weighted:
                             weighted[k] += getattr(st, k) * st.tokens
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(

@@ -1,0 +1,84 @@
+"""Data-parallel training over Ray workers (gloo on loopback): 2 ranks give bitwise the weights and the
+statistics of one worker on the same global batch, and two runs with the same seeds agree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from onpolicy.kernels import KernelConfig
+from onpolicy.kernels.selftest import num_threads
+from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+from onpolicy.trainer.config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
+from onpolicy.trainer.data_parallel import DataParallelTrainer
+from onpolicy.trainer.engine import TrainerEngine
+from onpolicy.trainer.grpo import group_advantages
+
+MODEL = "tiny-qwen3"
+KERNELS = KernelConfig(backend="reference", compute_dtype="fp32", kv_tile=16)
+# pack_tokens 24: each minibatch is cut into 3-5 canonical units, so ranks own uneven subtrees
+TRAINER = TrainerConfig(pack_tokens=24, seed=7)
+OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+# step 1: one minibatch, token-mean; step 2: two minibatches, seq-mean, a KL penalty, 2 epochs
+LOSSES = (LossConfig(kl_coef=0.05), LossConfig(minibatches=2, epochs=2, loss_agg="seq-mean", kl_coef=0.05))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
+
+    init_ray(num_cpus=4)
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def batches(load_tiny: Callable[..., LoadedModel]) -> list[list[TrainSample]]:
+    """Two global batches of real rollouts (8 samples each), rewarded by the share of even token ids."""
+    lm = load_tiny(MODEL)
+    out = []
+    for seed in (3, 4):
+        comps = RolloutEngine(lm, EngineConfig(kv_cache_tokens=1024)).generate(
+            [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7, 9, 11, 13, 15], [8, 6]],
+            SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=seed, ignore_eos=True))
+        rewards = [sum(t % 2 == 0 for t in c.token_ids) / len(c.token_ids) for c in comps]
+        out.append([TrainSample(prompt_ids=c.prompt_ids, token_ids=c.token_ids, old_logprobs=c.logprobs,
+                                advantage=a, temperature=c.temperature)
+                    for c, a in zip(comps, group_advantages(rewards, 2), strict=True)])
+    return out
+
+
+def _train(degree: int, batches: list[list[TrainSample]], kernels: KernelConfig = KERNELS,
+           ) -> tuple[list[dict[str, torch.Tensor]], list[StepStats]]:
+    with DataParallelTrainer(MODEL, kernels, degree, TRAINER) as dp:
+        stats = [dp.train_step(b, loss, OPT) for b, loss in zip(batches, LOSSES, strict=True)]
+        return dp.state_dicts(), stats
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _timeless(st: StepStats) -> StepStats:
+    return replace(st, seconds=0.0, tokens_per_second=0.0)
+
+
+def test_two_ranks_equal_one_worker_and_repeat(ray_cluster: None, batches: list[list[TrainSample]],
+                                               load_tiny: Callable[..., LoadedModel]) -> None:
+    dp2, stats2 = _train(2, batches)
+    assert _equal(dp2[0], dp2[1])  # both ranks applied the identical update
+    dp1, stats1 = _train(1, batches)
+    assert _equal(dp2[0], dp1[0])  # ... the one a single worker applies to the same global batch
+    assert [_timeless(s) for s in stats2] == [_timeless(s) for s in stats1]
+    with num_threads(1):  # and a plain in-process engine (same thread count as each rank)
+        engine = TrainerEngine(load_tiny(MODEL, fresh=True), TRAINER)
+        for b, loss in zip(batches, LOSSES, strict=True):
+            engine.train_step(b, loss, OPT)
+    assert _equal(engine.state_dict_for_rollout(), dp1[0])
+    assert not _equal(dp1[0], load_tiny(MODEL).model.state_dict())  # the weights did move
+    again, _ = _train(2, batches)  # same seeds, same batches: same weights
+    assert _equal(again[0], dp2[0]) and _equal(again[1], dp2[1])
