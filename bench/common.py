@@ -1,20 +1,25 @@
-"""What every benchmark shares: timing (median over repeats), machine info, result rows, output."""
+"""What every benchmark shares: timing (median over repeats), machine info and versions, result rows,
+the report (a table for people, JSON for machines)."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from importlib import metadata
 
 import torch
 
 
 @dataclass
 class Result:
+    """One measured pair: ``ratio = ours / baseline`` (both throughputs, higher is better)."""
+
     name: str
     ours: float
     baseline: float
@@ -26,20 +31,22 @@ class Result:
         return self.ours / self.baseline if self.baseline else float("nan")
 
     def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["ratio"] = round(self.ratio, 4)
-        return d
+        return {"name": self.name, "ours": self.ours, "baseline": self.baseline, "ratio": self.ratio,
+                "unit": self.unit, "note": self.note}
 
 
 @dataclass
 class Report:
     command: str
     results: list[Result] = field(default_factory=list)
-    extra: dict[str, object] = field(default_factory=dict)
+    details: dict[str, object] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
-        return {"command": self.command, "machine": machine(), "results": [r.to_dict() for r in self.results],
-                **self.extra}
+        return {"command": self.command, "commands": self.commands or [self.command], "machine": machine(),
+                "versions": versions(), "seconds": round(self.seconds, 1),
+                "results": [r.to_dict() for r in self.results], "details": self.details}
 
     def print_table(self) -> None:
         w = max([len(r.name) for r in self.results] + [10])
@@ -47,16 +54,42 @@ class Report:
         for r in self.results:
             print(f"{r.name:<{w}}  {r.ours:>12.2f}  {r.baseline:>12.2f}  {r.ratio:>7.3f}  {r.unit}"
                   f"{'  (' + r.note + ')' if r.note else ''}")
-        for k, v in self.extra.items():
+        for k, v in self.details.items():
             print(f"{k}: {json.dumps(v)}")
+        print(f"({self.seconds:.0f} s)")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def machine() -> dict[str, object]:
-    import transformers
+    return {"platform": platform.platform(), "cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads()}
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for dist in ("onpolicy", "torch", "transformers", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

@@ -1,10 +1,13 @@
-"""The transformers baseline: the same weights in transformers' own model classes."""
+"""The transformers baseline: the same weights in transformers' own model classes, its cached
+``generate`` and its forward+backward."""
 
 from __future__ import annotations
 
 import torch
 
 from onpolicy.models.checkpoint import LoadedModel
+
+from .common import median_time
 
 
 def hf_model(lm: LoadedModel, dtype: torch.dtype) -> torch.nn.Module:
@@ -31,3 +34,48 @@ def hf_model(lm: LoadedModel, dtype: torch.dtype) -> torch.nn.Module:
     if c.tie_word_embeddings:
         model.tie_weights()
     return model.to(dtype).eval()
+
+
+def hf_generate_seconds(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """Median wall time of greedy cached ``generate`` of exactly ``new_tokens`` per prompt."""
+    ids = torch.tensor(prompts)
+
+    def run() -> None:
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+
+    return median_time(run, repeats)
+
+
+def hf_cached_logdiff(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    """max |logp(cached generate) - logp(full forward)| of transformers on its own greedy tokens."""
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+        gen = out.sequences[:, ids.shape[1]:]
+        cached = torch.stack([torch.log_softmax(lg.float(), -1) for lg in out.logits], 1)
+        cached = cached.gather(2, gen[..., None])[..., 0]
+        full = torch.log_softmax(hf(out.sequences).logits.float(), -1)[:, ids.shape[1] - 1:-1]
+        full = full.gather(2, gen[..., None])[..., 0]
+    return float((cached - full).abs().max())
+
+
+def hf_train_seconds(hf: torch.nn.Module, seqs: list[list[int]], repeats: int) -> float:
+    """Median wall time of one forward+backward of transformers over equally long ``seqs``: fp32
+    log-softmax of the logits, the sum of every next-token logprob as the loss."""
+    ids = torch.tensor(seqs)
+    hf.requires_grad_(True)
+
+    def run() -> None:
+        logits = hf(ids[:, :-1]).logits.float()
+        lp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])
+        (-lp.sum()).backward()
+        hf.zero_grad(set_to_none=True)
+
+    try:
+        return median_time(run, repeats)
+    finally:
+        hf.requires_grad_(False)

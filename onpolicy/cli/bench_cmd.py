@@ -1,41 +1,86 @@
-"""``onpolicy bench``: benchmarks printed as a table for people, or JSON for machines."""
+"""``onpolicy bench``: benchmarks printed as a table for people, or JSON for machines.
+
+``bench {overhead,vs-hf,roofline,rl-step,all}`` are the suites of ``onpolicy.bench.suite`` and share
+the options below. Another benchmark adds its own subcommand: a function ``add_parser(benches)`` that
+calls ``benches.add_parser(NAME, ...)`` and sets ``func``, listed in ``_OTHER_BENCHES``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .common import emit_json, fail
+
+if TYPE_CHECKING:
+    from onpolicy.bench.suite import Setup
+
+_SUITE_HELP = {
+    "overhead": "consistent vs fast kernels, same engine: rollout tokens/s per batch size, trainer fwd+bwd",
+    "vs-hf": "our rollout vs transformers generate; our trainer fwd+bwd vs transformers'",
+    "roofline": "measured bandwidth and GEMM peak, the decode bounds they imply, our fraction of them",
+    "rl-step": "one GRPO step with vs without the old-logprob recompute pass",
+    "all": "every suite above, sharing measurements",
+}
+
+#: ``add_parser(benches)`` of the benchmarks that live in their own modules.
+_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: throughput ratios measured side by side")
-    p.add_argument("which", choices=["rollout"], help="rollout: consistent vs fast vs transformers generate")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
-    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="batches 1,8; 32 new tokens; 1 repeat")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=run)
+    benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, text in _SUITE_HELP.items():
+        b = benches.add_parser(name, help=text, description=text)
+        b.add_argument("--model", default="smollm2", help="smollm2 (default) | tiny-llama | ... | PATH")
+        b.add_argument("--quick", action="store_true", help="small sizes, fp32 only (a smoke run, minutes)")
+        b.add_argument("--json", action="store_true", help="JSON for machines instead of the table")
+        b.add_argument("--dtype", choices=["fp32", "bf16", "both"], help="default: both (--quick: fp32)")
+        b.add_argument("--batches", help="comma-separated rollout batch sizes (default 1,8,32; --quick 1,32)")
+        b.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; --quick 64)")
+        b.add_argument("--new-tokens", type=int, help="generated tokens per sequence (default 128; --quick 16)")
+        b.add_argument("--repeats", type=int, help="timed rollout runs after a warm-up, median reported (default 1)")
+        b.set_defaults(func=run_suite)
+    for add in _OTHER_BENCHES:
+        add(benches)
 
 
-def run(args: argparse.Namespace) -> int:
-    from onpolicy.bench.rollout import run_rollout
+def _setup(args: argparse.Namespace) -> Setup:
+    from onpolicy.bench.suite import Setup
 
+    setup = Setup.quick() if args.quick else Setup()
+    changes: dict[str, object] = {}
+    if args.dtype:
+        changes["dtypes"] = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
+    if args.batches:
+        try:
+            changes["batches"] = tuple(int(b) for b in args.batches.split(",") if b)
+        except ValueError:
+            fail("--batches must be comma-separated integers")
+        if not changes["batches"] or min(changes["batches"]) < 1:  # type: ignore[call-overload]
+            fail("--batches must be comma-separated integers >= 1")
+    for opt in ("prompt_len", "new_tokens", "repeats"):
+        value = getattr(args, opt)
+        if value is not None:
+            if value < 1:
+                fail(f"--{opt.replace('_', '-')} must be >= 1")
+            changes[opt] = value
+    return setup.with_(**changes)
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    from onpolicy.bench.suite import run_suites
+    from onpolicy.models.checkpoint import CheckpointError
+
+    setup = _setup(args)
+    command = "onpolicy " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"onpolicy bench {args.bench}"
     try:
-        batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        fail("--batches must be comma-separated integers")
-    if not batches or min(batches) < 1 or args.prompt_len < 1 or args.new_tokens < 1 or args.repeats < 1:
-        fail("batch sizes, --prompt-len, --new-tokens and --repeats must be >= 1")
-    if args.quick:
-        batches, args.new_tokens, args.repeats = [b for b in batches if b <= 8] or [1], 32, 1
-    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
-    report = run_rollout(args.model, dtypes, batches, args.prompt_len, args.new_tokens, args.repeats,
-                         with_hf=not args.no_hf)
+        report = run_suites(args.bench, args.model, setup, command)
+    except (CheckpointError, FileNotFoundError) as e:
+        fail(str(e).splitlines()[0])
     if args.json:
         emit_json(report.to_dict())
     else:

@@ -1,0 +1,211 @@
+"""The benchmark suites behind ``onpolicy bench {overhead,vs-hf,roofline,rl-step,all}``: what each
+measures, at which sizes (``Setup``: full or ``--quick``), on models loaded once per run
+(``Workbench``). Every ratio is measured side by side in the same process, one after the other."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from onpolicy.kernels import KernelConfig, get_backend
+from onpolicy.kernels.config import dtype_of
+from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.registry import load_model
+
+from . import hf, roofline
+from .common import Report, Result, log
+from .rollout import decode_tokens_per_s, generate_seconds, our_logdiff, prompts_for
+from .trainer import grpo_samples, rl_step_times, train_seconds
+
+SUITES = ("overhead", "vs-hf", "roofline", "rl-step")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Sizes of one run. Rollout: equally long random prompts, greedy, EOS ignored, exactly
+    ``new_tokens`` generated per sequence. Trainer: ``train_batch`` sequences of ``train_len`` tokens."""
+
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    batches: tuple[int, ...] = (1, 8, 32)
+    prompt_len: int = 128
+    new_tokens: int = 128
+    repeats: int = 1
+    """Timed runs of each rollout measurement (after one warm-up); the median is reported."""
+    train_batch: int = 8
+    train_len: int = 256
+    train_repeats: int = 3
+    decode_tokens: int = 32
+    """Decode steps of the roofline's decode-only rate."""
+    rl_batch: int = 8
+    rl_new_tokens: int = 64
+    bandwidth_mib: int = 512
+
+    @staticmethod
+    def quick() -> Setup:
+        return Setup(dtypes=("fp32",), batches=(1, 32), prompt_len=64, new_tokens=16, train_batch=4, train_len=128,
+                     train_repeats=2, decode_tokens=8, rl_batch=4, rl_new_tokens=16, bandwidth_mib=256)
+
+    def with_(self, **changes: object) -> Setup:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+class Workbench:
+    """One model, loaded once per (backend, dtype), its transformers twin per dtype, and measurements
+    that two suites share (``all`` times the consistent rollout once for overhead and vs-hf)."""
+
+    def __init__(self, model: str, setup: Setup) -> None:
+        self.model, self.setup = model, setup
+        self._models: dict[tuple[str, str], LoadedModel] = {}
+        self._hf: dict[str, torch.nn.Module] = {}
+        self._memo: dict[tuple[object, ...], float] = {}
+
+    def lm(self, backend: str, dtype: str) -> LoadedModel:
+        key = (backend, dtype)
+        if key not in self._models:
+            self._models[key] = load_model(self.model, get_backend(KernelConfig(backend=backend, compute_dtype=dtype)))
+        return self._models[key]
+
+    def fresh_lm(self, dtype: str) -> LoadedModel:
+        """A consistent model of its own (a trainer changes its weights)."""
+        return load_model(self.model, get_backend(KernelConfig(compute_dtype=dtype)))
+
+    def hf(self, dtype: str) -> torch.nn.Module:
+        if dtype not in self._hf:
+            self._hf[dtype] = hf.hf_model(self.lm("reference", dtype), dtype_of(dtype))
+        return self._hf[dtype]
+
+    def memo(self, key: tuple[object, ...], measure: Callable[[], float]) -> float:
+        if key not in self._memo:
+            self._memo[key] = measure()
+        return self._memo[key]
+
+    def vocab(self) -> int:
+        return self.lm("reference", self.setup.dtypes[0]).config.vocab_size
+
+    # ------------------------------------------------------------------ shared measurements
+    def rollout_tps(self, engine: str, dtype: str, batch: int) -> float:
+        """Tokens/s of ``engine`` (reference | fast | hf) generating ``new_tokens`` for ``batch`` prompts."""
+        s = self.setup
+        prompts = prompts_for(batch, s.prompt_len, self.vocab())
+
+        def measure() -> float:
+            if engine == "hf":
+                secs = hf.hf_generate_seconds(self.hf(dtype), prompts, s.new_tokens, s.repeats)
+            else:
+                secs = generate_seconds(self.lm(engine, dtype), prompts, s.new_tokens, s.repeats)
+            return batch * s.new_tokens / secs
+
+        return self.memo(("rollout", engine, dtype, batch), measure)
+
+    def train_tps(self, engine: str, dtype: str) -> float:
+        """Tokens/s of one forward+backward over ``train_batch`` sequences of ``train_len`` tokens."""
+        s = self.setup
+        seqs = prompts_for(s.train_batch, s.train_len, self.vocab(), seed=2)
+
+        def measure() -> float:
+            if engine == "hf":
+                secs = hf.hf_train_seconds(self.hf(dtype), seqs, s.train_repeats)
+            else:
+                secs = train_seconds(self.lm(engine, dtype), seqs, s.train_repeats)
+            return s.train_batch * (s.train_len - 1) / secs
+
+        return self.memo(("train", engine, dtype), measure)
+
+
+# ---------------------------------------------------------------------- suites
+def overhead(wb: Workbench, report: Report) -> None:
+    """Consistent vs fast kernels, same engine, same model: rollout per batch size, trainer fwd+bwd."""
+    for dtype in wb.setup.dtypes:
+        for bs in wb.setup.batches:
+            report.results.append(Result(f"overhead/rollout/bs{bs}/{dtype}", wb.rollout_tps("reference", dtype, bs),
+                                         wb.rollout_tps("fast", dtype, bs), "tokens/s", "consistent / fast"))
+            log(f"overhead/rollout/bs{bs}/{dtype} done")
+        report.results.append(Result(f"overhead/trainer/{dtype}", wb.train_tps("reference", dtype),
+                                     wb.train_tps("fast", dtype), "tokens/s", "consistent / fast, fwd+bwd"))
+
+
+def vs_hf(wb: Workbench, report: Report) -> None:
+    """Our consistent engines vs transformers: cached ``generate`` (greedy) and forward+backward; plus
+    the logdiffs of both against their own training/full forward."""
+    s = wb.setup
+    logdiffs: dict[str, dict[str, float]] = {}
+    for dtype in s.dtypes:
+        for bs in s.batches:
+            report.results.append(Result(f"vs-hf/rollout/bs{bs}/{dtype}", wb.rollout_tps("reference", dtype, bs),
+                                         wb.rollout_tps("hf", dtype, bs), "tokens/s",
+                                         "consistent / transformers generate"))
+            log(f"vs-hf/rollout/bs{bs}/{dtype} done")
+        report.results.append(Result(f"vs-hf/trainer/{dtype}", wb.train_tps("reference", dtype),
+                                     wb.train_tps("hf", dtype), "tokens/s", "consistent / transformers, fwd+bwd"))
+        prompts = prompts_for(4, s.prompt_len, wb.vocab(), seed=1)
+        logdiffs[dtype] = {"ours_consistent": our_logdiff(wb.lm("reference", dtype), prompts, s.new_tokens),
+                           "ours_fast": our_logdiff(wb.lm("fast", dtype), prompts, s.new_tokens),
+                           "transformers_cached_vs_full": hf.hf_cached_logdiff(wb.hf(dtype), prompts, s.new_tokens)}
+    report.details["max_abs_logdiff"] = logdiffs
+
+
+def roofline_suite(wb: Workbench, report: Report) -> None:
+    """Measured bandwidth -> batch-1 decode bound; measured GEMM peak -> large-batch compute bound."""
+    s = wb.setup
+    bw = roofline.read_bandwidth(s.bandwidth_mib, 5)
+    info: dict[str, object] = {"read_bandwidth_gb_s": bw / 1e9}
+    big = max(s.batches)
+    for dtype in s.dtypes:
+        lm = wb.lm("reference", dtype)
+        weight_bytes = roofline.decode_weight_bytes(lm.model)
+        flops = roofline.gemm_flops(dtype_of(dtype), 1024, 5)
+        per_token = 2 * roofline.matmul_params(lm.model)
+
+        def ours(batch: int, lm: LoadedModel = lm) -> float:
+            prompts = prompts_for(batch, s.prompt_len, wb.vocab(), seed=3)
+            return decode_tokens_per_s(lambda p, n, r: generate_seconds(lm, p, n, r), prompts, s.decode_tokens,
+                                       s.repeats)
+
+        bound1 = bw / weight_bytes
+        report.results.append(Result(f"roofline/decode/bs1/{dtype}", ours(1), bound1, "tokens/s",
+                                     "decode-only / (bandwidth / weight bytes)"))
+        report.results.append(Result(f"roofline/decode/bs{big}/{dtype}", ours(big), flops / per_token, "tokens/s",
+                                     "decode-only / (GEMM peak / 2 flops per weight)"))
+        info[dtype] = {"decode_weight_bytes": weight_bytes, "gemm_gflop_s": flops / 1e9,
+                       "flops_per_token": per_token, "bs1_bound_tokens_s": bound1}
+        log(f"roofline/{dtype} done")
+    report.details["roofline"] = info
+
+
+def rl_step(wb: Workbench, report: Report) -> None:
+    """One GRPO step (consistent kernels) with and without recomputing the old logprobs."""
+    s = wb.setup
+    breakdown: dict[str, object] = {}
+    for dtype in s.dtypes:
+        prompts = prompts_for(s.rl_batch, s.prompt_len, wb.vocab(), seed=4)
+        samples = grpo_samples(wb.lm("reference", dtype), prompts, s.rl_new_tokens)
+        times = rl_step_times(wb.fresh_lm(dtype), samples, max(1, s.train_repeats))
+        report.results.append(Result(f"rl-step/no-recompute/{dtype}", 1 / times["no_recompute"]["step_s"],
+                                     1 / times["recompute"]["step_s"], "steps/s",
+                                     "without / with old-logprob recompute"))
+        breakdown[dtype] = times
+        log(f"rl-step/{dtype} done")
+    report.details["rl_step_seconds"] = breakdown
+    report.details["rl_step_setup"] = {"samples": s.rl_batch, "prompt_len": s.prompt_len,
+                                       "new_tokens": s.rl_new_tokens, "epochs": 1, "minibatches": 1}
+
+
+RUNNERS: dict[str, Callable[[Workbench, Report], None]] = {
+    "overhead": overhead, "vs-hf": vs_hf, "roofline": roofline_suite, "rl-step": rl_step}
+
+
+def run_suites(which: str, model: str, setup: Setup, command: str) -> Report:
+    """Run one suite (or ``all``) and return its report."""
+    names = list(SUITES) if which == "all" else [which]
+    report = Report(command=command, commands=[command])
+    wb = Workbench(model, setup)
+    t0 = time.perf_counter()
+    for name in names:
+        RUNNERS[name](wb, report)
+    report.seconds = time.perf_counter() - t0
+    report.details["setup"] = {"model": model, **{k: v for k, v in setup.__dict__.items()},
+                               "rollout": "greedy, EOS ignored, prefill included, median of repeats after a warm-up"}
+    return report

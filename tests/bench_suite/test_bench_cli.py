@@ -1,0 +1,59 @@
+"""``onpolicy bench``: every suite runs end to end through the real CLI on a tiny model (``--quick``)
+and its JSON has the documented schema. Timings are never asserted (benchmarks, not timed tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE_NAMES = {"overhead/rollout/bs1/fp32", "overhead/rollout/bs32/fp32", "overhead/trainer/fp32",
+               "vs-hf/rollout/bs1/fp32", "vs-hf/rollout/bs32/fp32", "vs-hf/trainer/fp32",
+               "roofline/decode/bs1/fp32", "roofline/decode/bs32/fp32", "rl-step/no-recompute/fp32"}
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, "-m", "onpolicy.cli.main", "bench", *args], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
+
+
+def test_bench_all_quick_json_schema(tiny_paths: dict[str, Path]) -> None:
+    proc = bench("all", "--model", "tiny-llama", "--quick", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["command"].startswith("onpolicy bench all") and report["commands"]
+    assert {"cpu", "cores", "memory_gib", "cpu_capability", "torch_threads"} <= set(report["machine"])
+    assert {"python", "torch", "transformers", "onpolicy"} <= set(report["versions"])
+    names = [r["name"] for r in report["results"]]
+    assert set(names) == SUITE_NAMES and len(names) == len(set(names))
+    for r in report["results"]:
+        assert set(r) == {"name", "ours", "baseline", "ratio", "unit", "note"}
+        assert r["ours"] > 0 and r["baseline"] > 0 and math.isfinite(r["ours"]) and math.isfinite(r["baseline"])
+        assert r["ratio"] == pytest.approx(r["ours"] / r["baseline"], rel=1e-3)
+        assert r["unit"] in {"tokens/s", "steps/s"}
+    details = report["details"]
+    assert details["max_abs_logdiff"]["fp32"]["ours_consistent"] == 0.0  # the contract, on the bench's own run
+    assert details["roofline"]["read_bandwidth_gb_s"] > 0
+    times = details["rl_step_seconds"]["fp32"]
+    assert times["no_recompute"]["recompute_s"] == 0.0 and times["recompute"]["recompute_s"] > 0
+    assert details["setup"]["model"] == "tiny-llama"
+
+
+def test_bench_suite_table_and_usage_errors(tiny_paths: dict[str, Path]) -> None:
+    proc = bench("overhead", "--model", "tiny-llama", "--quick", "--batches", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:4] == ["benchmark", "ours", "baseline", "ratio"]
+    assert any(line.startswith("overhead/rollout/bs2/fp32 ") for line in lines)
+    for args, fragment in ((["--batches", "1,x"], "--batches"), (["--new-tokens", "0"], "--new-tokens"),
+                           (["--model", "no-such-model"], "no-such-model")):
+        bad = bench("roofline", "--quick", *args)
+        assert bad.returncode == 2, bad.stderr[-2000:]
+        assert len(bad.stderr.splitlines()) == 1 and fragment in bad.stderr
