@@ -11,13 +11,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .rewards import REWARDS
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _power_of_two(v: int, info: ValidationInfo) -> int:
+    if v & (v - 1):
+        raise ValueError(f"{info.field_name} must be a power of two, got {v}")
+    return v
 
 
 class DatasetSpec(_Strict):
@@ -86,12 +93,34 @@ class KernelSpec(_Strict):
     dtype: Literal["fp32", "bf16"] = "fp32"
     kv_tile: int = Field(64, ge=1, le=4096)
 
-    @field_validator("kv_tile")
-    @classmethod
-    def _pow2(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ValueError("kv_tile must be a power of two")
-        return v
+    _pow2 = field_validator("kv_tile")(staticmethod(_power_of_two))
+
+
+class RoleParallelSpec(_Strict):
+    """Parallel degrees of one role's model: tensor parallel ``tp`` (heads and MLP columns sharded over
+    ``tp`` ranks) and expert parallel ``ep`` (MoE experts sharded over ``ep`` ranks); powers of two."""
+
+    tp: int = Field(1, ge=1, le=64)
+    ep: int = Field(1, ge=1, le=64)
+
+    _pow2 = field_validator("tp", "ep")(staticmethod(_power_of_two))
+
+
+class TrainerParallelSpec(RoleParallelSpec):
+    dp: int = Field(1, ge=1, le=1024)
+    """Data-parallel ranks (Ray workers, each with the whole model); a power of two. Every rank folds
+    its share of each minibatch's canonical units and all apply the update one worker would
+    (``onpolicy.trainer.data_parallel``), so ``dp`` changes no bit of the weights."""
+
+    _pow2_dp = field_validator("dp")(staticmethod(_power_of_two))
+
+
+class ParallelSpec(_Strict):
+    """Degrees per role, chosen independently: the canonical reductions give the same bits at every
+    degree, so the rollout and the trainer need not share a layout."""
+
+    rollout: RoleParallelSpec = RoleParallelSpec()
+    trainer: TrainerParallelSpec = TrainerParallelSpec()
 
 
 class VerifierSpec(_Strict):
@@ -119,6 +148,7 @@ class JobSpec(_Strict):
     kernels: KernelSpec = KernelSpec()
     verifier: VerifierSpec = VerifierSpec()
     resources: dict[str, ResourceSpec] = Field(default_factory=dict)
+    parallel: ParallelSpec = ParallelSpec()
 
     @field_validator("resources")
     @classmethod
@@ -126,6 +156,21 @@ class JobSpec(_Strict):
         unknown = set(v) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
+        return v
+
+    @field_validator("parallel")
+    @classmethod
+    def _dp_within_minibatch(cls, v: ParallelSpec, info: ValidationInfo) -> ParallelSpec:
+        grpo = info.data.get("grpo")
+        if grpo is not None and grpo.minibatches <= grpo.prompts_per_step * grpo.group_size:
+            smallest = grpo.prompts_per_step * grpo.group_size // grpo.minibatches
+            if v.trainer.dp > smallest:
+                raise ValidationError.from_exception_data("ParallelSpec", [InitErrorDetails(
+                    type=PydanticCustomError("value_error", "{dp} data-parallel ranks exceed the {n} samples of a "
+                                             "minibatch (grpo.prompts_per_step x grpo.group_size / "
+                                             "grpo.minibatches): a rank would have nothing to train on",
+                                             {"dp": v.trainer.dp, "n": smallest}),
+                    loc=("trainer", "dp"), input=v.trainer.dp)])
         return v
 
     def resources_for(self, role: str) -> ResourceSpec:

@@ -1,16 +1,20 @@
 """Data-parallel training across Ray workers, bitwise equal to one worker on the same global batch.
 
-``DataParallelTrainer`` (the coordinator, in the caller's process) starts ``D`` Ray actors
-(``DataParallelWorker``), each holding a ``TrainerEngine`` on the same weights and one rank of a gloo
-process group on loopback (``GlooExchange``). A train step puts the global batch into Ray's object store
-once; every rank reads it, computes forward and backward only on the units it owns and folds them, and
-the ``D`` subtree sums are all-gathered and folded in the canonical tree of
+``DataParallelEngine`` is a ``TrainerEngine`` that is rank 0 of ``D`` ranks: it starts ``D - 1`` peer
+Ray actors (``DataParallelWorker``), each a ``TrainerEngine`` on the same weights, joined by a gloo
+process group on loopback (``GlooExchange``). A train step puts the global batch into Ray's object
+store once; every rank reads it, runs forward and backward only on the canonical units it owns and
+folds them, and the ``D`` subtree sums are all-gathered and folded in the canonical tree of
 ``onpolicy.trainer.reduction`` — so every rank applies the update one worker would have applied, and
-two runs with the same seeds end with the same weights. After each step the coordinator checks that
-every rank holds weights with the same sha256 (``ReplicaDivergence`` otherwise).
+two runs with the same seeds end with the same weights. After each step rank 0 checks that every peer
+holds weights with its sha256 (``ReplicaDivergence`` otherwise).
 
-Ranks run with a fixed torch thread count each (``threads_per_worker``, default 1): per-unit kernels
-are then the same computation on every rank and in a single-worker run with that count.
+Everything else is rank 0's: logprobs, weight export and checkpoints come from its weights and
+optimizer state (identical on every rank); ``restore`` restores every rank. So the trainer service
+serves a ``DataParallelEngine`` exactly like a ``TrainerEngine`` (job spec ``parallel.trainer.dp``).
+
+Every rank should run with the same torch thread count (peers get ``threads_per_worker``, default:
+rank 0's count): per-unit kernels are then the same computation on every rank and in one worker.
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ import contextlib
 import datetime
 import os
 import socket
-import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,8 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
+from onpolicy.models.checkpoint import LoadedModel
 
+from .checkpoint import CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
+from .engine import TrainerEngine
 from .reduction import Grads, check_degree
 
 
@@ -88,10 +93,10 @@ class GlooExchange:
 
 
 class DataParallelWorker:
-    """Body of one rank's Ray actor: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
+    """Body of a peer rank's Ray actor: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
 
     def __init__(self, rank: int, size: int, port: int, model: str, kernel_config: KernelConfig,
-                 trainer_config: TrainerConfig, threads: int, timeout_s: float) -> None:
+                 trainer_config: TrainerConfig | None, threads: int, timeout_s: float) -> None:
         from onpolicy.services.cluster.local_ray import ray_env
 
         ray_env()
@@ -99,17 +104,19 @@ class DataParallelWorker:
         from onpolicy.kernels import get_backend
         from onpolicy.models.registry import load_model
 
-        from .engine import TrainerEngine
-
         lm = load_model(model, get_backend(kernel_config))
         self.exchange = GlooExchange(rank, size, port, timeout_s)
         self.engine = TrainerEngine(lm, trainer_config, self.exchange)
 
     def train_step(self, samples: list[TrainSample], loss: LossConfig, opt: OptimizerConfig,
-                   recompute_old: bool) -> tuple[StepStats, str]:
-        """The step's statistics and the sha256 of the weights it produced."""
-        stats = self.engine.train_step(samples, loss, opt, recompute_old)
-        return stats, self.engine.weights_sha256
+                   recompute_old: bool) -> str:
+        """Run this rank's share of the step; the sha256 of the weights it produced."""
+        self.engine.train_step(samples, loss, opt, recompute_old)
+        return self.engine.weights_sha256
+
+    def restore(self, state: CheckpointState) -> str:
+        self.engine.restore(state)
+        return self.engine.weights_sha256
 
     def weights_sha256(self) -> str:
         return self.engine.weights_sha256
@@ -117,81 +124,92 @@ class DataParallelWorker:
     def state_dict(self) -> dict[str, Tensor]:
         return self.engine.state_dict_for_rollout()
 
-    def close(self) -> None:
-        self.exchange.close()
 
+class DataParallelEngine(TrainerEngine):
+    """Rank 0 of ``degree`` data-parallel ranks (peers: Ray actors on the current Ray cluster, started
+    with ``peer_options``, e.g. ``{"num_cpus": 1}``; start a local cluster with
+    ``onpolicy.services.cluster.local_ray.init_ray``). ``model_ref`` is what peers load (the reference
+    ``lm`` was loaded from). ``close()`` (or ``with``) ends the peers; a failed collective or peer
+    closes them too (the engine is then unusable)."""
 
-class DataParallelTrainer:
-    """Coordinator of ``degree`` data-parallel ranks (Ray actors on the current Ray cluster; start one
-    with ``onpolicy.services.cluster.local_ray.init_ray``). Not thread-safe: callers serialise access.
-    ``close()`` (or ``with``) kills the actors."""
-
-    def __init__(self, model: str, kernel_config: KernelConfig, degree: int,
-                 trainer_config: TrainerConfig | None = None, *, threads_per_worker: int = 1,
+    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int, model_ref: str,
+                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
                  timeout_s: float = 300.0) -> None:
         import ray
 
         check_degree(degree)
-        if threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        self.degree, self.timeout_s = degree, timeout_s
-        self.step = 0
+        self.timeout_s = timeout_s
+        threads = threads_per_worker or torch.get_num_threads()
         port = free_loopback_port()
         remote = ray.remote(DataParallelWorker)
-        self.workers = [
-            remote.options(num_cpus=threads_per_worker, max_restarts=0).remote(
-                rank, degree, port, model, kernel_config, trainer_config or TrainerConfig(), threads_per_worker,
-                timeout_s)
-            for rank in range(degree)]
+        self.peers = [remote.options(max_restarts=0, **(peer_options or {"num_cpus": threads})).remote(
+            rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s)
+            for rank in range(1, degree)]
         try:
-            self.weights_sha256 = self._same(ray.get([w.weights_sha256.remote() for w in self.workers],
-                                                     timeout=self.timeout_s))
+            exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None
+            super().__init__(lm, config, exchange)
+            self._check_peers(self._get([p.weights_sha256.remote() for p in self.peers]), "at start")
         except BaseException:
             self.close()
             raise
 
-    def _same(self, shas: list[str]) -> str:
-        """The one weights sha256 every rank reports."""
-        if len(set(shas)) != 1:
-            raise ReplicaDivergence(f"data-parallel ranks hold different weights after step {self.step}: "
-                                    + ", ".join(f"rank {r}: {s[:12]}" for r, s in enumerate(shas)))
-        return str(shas[0])
-
-    def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
-                   recompute_old: bool = False) -> StepStats:
-        """One step of ``TrainerEngine.train_step`` on the global batch ``samples`` across all ranks.
-        Returns rank 0's statistics (every rank computes the same) with the coordinator's wall time."""
+    def _get(self, refs: list[Any]) -> list[Any]:
         import ray
 
-        t0 = time.perf_counter()
-        batch = ray.put(list(samples))  # one copy in the object store, read by every rank
-        results = [w.train_step.remote(batch, loss, opt, recompute_old) for w in self.workers]
         try:
-            out = ray.get(results, timeout=self.timeout_s)
+            return list(ray.get(refs, timeout=self.timeout_s))
         except BaseException:
             self.close()  # a failed rank leaves its peers blocked in a collective: end them all
             raise
-        self.step = out[0][0].step
-        self.weights_sha256 = self._same([sha for _, sha in out])
-        seconds = time.perf_counter() - t0
-        stats = out[0][0]
-        return replace(stats, seconds=seconds, tokens_per_second=stats.tokens / seconds if seconds > 0 else 0.0)
 
-    def state_dicts(self) -> list[dict[str, Tensor]]:
-        """Every rank's weights (in rank order)."""
+    def _check_peers(self, shas: list[str], when: str) -> None:
+        if any(sha != self.weights_sha256 for sha in shas):
+            raise ReplicaDivergence(f"data-parallel ranks hold different weights {when}: rank 0 "
+                                    f"{self.weights_sha256[:12]}, " + ", ".join(
+                                        f"rank {r}: {sha[:12]}" for r, sha in enumerate(shas, start=1)))
+
+    def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
+                   recompute_old: bool = False) -> StepStats:
+        """``TrainerEngine.train_step`` on the global batch ``samples``, run by every rank at once."""
         import ray
 
-        return list(ray.get([w.state_dict.remote() for w in self.workers], timeout=self.timeout_s))
+        if not self.peers:
+            return super().train_step(samples, loss, opt, recompute_old)
+        batch = ray.put(list(samples))  # one copy in the object store, read by every peer
+        pending = [p.train_step.remote(batch, loss, opt, recompute_old) for p in self.peers]
+        try:
+            stats = super().train_step(samples, loss, opt, recompute_old)
+        except (ValueError, FloatingPointError):
+            # every rank refuses the same batch (or diverges) alike: the peers raise the same error
+            with contextlib.suppress(Exception):
+                ray.get(pending, timeout=self.timeout_s)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._check_peers(self._get(pending), f"after step {self.step}")
+        return stats
+
+    def restore(self, state: CheckpointState) -> None:
+        super().restore(state)
+        self._check_peers(self._get([p.restore.remote(state) for p in self.peers]), f"restoring step {self.step}")
+
+    def peer_state_dicts(self) -> list[dict[str, Tensor]]:
+        """Every peer's weights (ranks 1..D-1, in order)."""
+        return self._get([p.state_dict.remote() for p in self.peers])
 
     def close(self) -> None:
         import ray
 
-        for w in self.workers:
+        for p in getattr(self, "peers", []):
             with contextlib.suppress(Exception):  # already gone
-                ray.kill(w)
-        self.workers = []
+                ray.kill(p)
+        self.peers = []
+        exchange = getattr(self, "exchange", None)
+        if isinstance(exchange, GlooExchange):
+            exchange.close()
 
-    def __enter__(self) -> DataParallelTrainer:
+    def __enter__(self) -> DataParallelEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

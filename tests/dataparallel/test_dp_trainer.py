@@ -1,25 +1,25 @@
 """Data-parallel training over Ray workers (gloo on loopback): 2 ranks give bitwise the weights and the
-statistics of one worker on the same global batch, and two runs with the same seeds agree."""
+statistics of one worker on the same global batch, two runs with the same seeds agree, and a checkpoint
+restored on rank 0 restores every rank."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
-from onpolicy.trainer.data_parallel import DataParallelTrainer
-from onpolicy.trainer.engine import TrainerEngine
+from onpolicy.trainer.data_parallel import DataParallelEngine
 from onpolicy.trainer.grpo import group_advantages
 
 MODEL = "tiny-qwen3"
-KERNELS = KernelConfig(backend="reference", compute_dtype="fp32", kv_tile=16)
 # pack_tokens 24: each minibatch is cut into 3-5 canonical units, so ranks own uneven subtrees
 TRAINER = TrainerConfig(pack_tokens=24, seed=7)
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
@@ -52,11 +52,24 @@ def batches(load_tiny: Callable[..., LoadedModel]) -> list[list[TrainSample]]:
     return out
 
 
-def _train(degree: int, batches: list[list[TrainSample]], kernels: KernelConfig = KERNELS,
+def _train(degree: int, lm: LoadedModel, batches: list[list[TrainSample]], checkpoints: Path | None = None,
            ) -> tuple[list[dict[str, torch.Tensor]], list[StepStats]]:
-    with DataParallelTrainer(MODEL, kernels, degree, TRAINER) as dp:
-        stats = [dp.train_step(b, loss, OPT) for b, loss in zip(batches, LOSSES, strict=True)]
-        return dp.state_dicts(), stats
+    """Every rank's weights after one step per batch. With ``checkpoints``: also save after the first
+    step, restore it after the last, redo the last step and check every rank lands on the same bits."""
+    with num_threads(1), DataParallelEngine(lm, TRAINER, degree=degree, model_ref=MODEL, threads_per_worker=1) as dp:
+        stats = []
+        for k, (b, loss) in enumerate(zip(batches, LOSSES, strict=True)):
+            if k == 1 and checkpoints is not None:
+                saved = dp.save_checkpoint(checkpoints)
+            stats.append(dp.train_step(b, loss, OPT))
+        weights = [dp.state_dict_for_rollout(), *dp.peer_state_dicts()]
+        if checkpoints is not None:
+            dp.restore(load_checkpoint(saved))
+            assert dp.step == 1
+            dp.train_step(batches[-1], LOSSES[-1], OPT)
+            again = [dp.state_dict_for_rollout(), *dp.peer_state_dicts()]
+            assert all(_equal(a, b) for a, b in zip(again, weights, strict=True))
+        return weights, stats
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -68,17 +81,12 @@ def _timeless(st: StepStats) -> StepStats:
 
 
 def test_two_ranks_equal_one_worker_and_repeat(ray_cluster: None, batches: list[list[TrainSample]],
-                                               load_tiny: Callable[..., LoadedModel]) -> None:
-    dp2, stats2 = _train(2, batches)
-    assert _equal(dp2[0], dp2[1])  # both ranks applied the identical update
-    dp1, stats1 = _train(1, batches)
+                                               load_tiny: Callable[..., LoadedModel], tmp_path: Path) -> None:
+    dp2, stats2 = _train(2, load_tiny(MODEL, fresh=True), batches, tmp_path)
+    assert len(dp2) == 2 and _equal(dp2[0], dp2[1])  # both ranks applied the identical update
+    dp1, stats1 = _train(1, load_tiny(MODEL, fresh=True), batches)
     assert _equal(dp2[0], dp1[0])  # ... the one a single worker applies to the same global batch
     assert [_timeless(s) for s in stats2] == [_timeless(s) for s in stats1]
-    with num_threads(1):  # and a plain in-process engine (same thread count as each rank)
-        engine = TrainerEngine(load_tiny(MODEL, fresh=True), TRAINER)
-        for b, loss in zip(batches, LOSSES, strict=True):
-            engine.train_step(b, loss, OPT)
-    assert _equal(engine.state_dict_for_rollout(), dp1[0])
     assert not _equal(dp1[0], load_tiny(MODEL).model.state_dict())  # the weights did move
-    again, _ = _train(2, batches)  # same seeds, same batches: same weights
+    again, _ = _train(2, load_tiny(MODEL, fresh=True), batches)  # same seeds, same batches: same weights
     assert _equal(again[0], dp2[0]) and _equal(again[1], dp2[1])
