@@ -35,6 +35,8 @@ class RoleOptions:
     """Verifier: worst mismatching samples kept per job."""
     rollout_kernel_fingerprint: str = ""
     """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
+    engine: str = "onpolicy"
+    """Rollout: ``onpolicy`` or an external engine (``vllm-ascend``; ``onpolicy.rollout.external``)."""
 
     @property
     def kernel_config(self) -> KernelConfig:
@@ -70,7 +72,7 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
         servicer = build_rollout_service(opts.model, opts.kernel_config,
                                          EngineConfig(max_num_seqs=opts.max_num_seqs,
                                                       max_batched_tokens=opts.max_batched_tokens),
-                                         weights_fingerprint=opts.weights_fingerprint)
+                                         weights_fingerprint=opts.weights_fingerprint, engine=opts.engine)
         return servicer, api.rollout_pb2_grpc.add_RolloutServiceServicer_to_server
     if role == "trainer":
         from .trainer.service import build_trainer_service

@@ -49,6 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_server_args(p, 0)
     p.add_argument("--model", default="smollm2", help="model of a rollout/trainer/verifier service")
     p.add_argument("--kernels", default="consistent", help="consistent | fast (rollout only)")
+    p.add_argument("--engine", choices=["onpolicy", "vllm-ascend"], default="onpolicy",
+                   help="rollout engine: vllm-ascend runs vLLM on Ascend NPUs with our operators (its own image)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv-tile", type=int, default=64)
     p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
@@ -195,7 +197,13 @@ def serve(args: argparse.Namespace) -> int:
         from onpolicy.services.roles import RoleOptions, start_role
 
         backend = "fast" if args.kernels == "fast" else "reference"
-        opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile)
+        if args.engine != "onpolicy":
+            if args.role != "rollout" or args.kernels == "fast":
+                fail(f"--engine {args.engine} applies to the rollout role with consistent kernels only")
+            backend = "ascend"  # the external engine runs our Ascend operators
+        opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile,
+                           weights_fingerprint_backend=backend if args.engine != "onpolicy" else "reference",
+                           engine=args.engine)
         if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
             fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
         try:

@@ -77,6 +77,16 @@ class RolloutSpec(_Strict):
     kernels: Literal["consistent", "fast"] = "consistent"
     max_num_seqs: int = Field(64, ge=1, le=4096)
     max_batched_tokens: int = Field(2048, ge=1, le=1 << 20)
+    engine: Literal["onpolicy", "vllm-ascend"] = "onpolicy"
+    """``onpolicy``: our rollout engine; ``vllm-ascend``: vLLM on Ascend NPUs with its batch-invariant
+    mode and our operators (``onpolicy.rollout.external.vllm_ascend``; needs the ``vllm-ascend`` image,
+    ``kernels.backend: ascend`` and at least one NPU for the rollout; unverified until the NPU suite has run)."""
+
+    @model_validator(mode="after")
+    def _fast_is_ours(self) -> RolloutSpec:
+        if self.engine != "onpolicy" and self.kernels == "fast":
+            raise ValueError(f"kernels: fast is a backend of the onpolicy engine, not of {self.engine}")
+        return self
 
 
 class CheckpointSpec(_Strict):
@@ -145,9 +155,9 @@ class JobSpec(_Strict):
     steps: int = Field(3, ge=1, le=1_000_000)
     seed: int = 0
     checkpoint: CheckpointSpec = CheckpointSpec()
-    kernels: KernelSpec = KernelSpec()
+    kernels: KernelSpec = Field(KernelSpec(), validate_default=True)
     verifier: VerifierSpec = VerifierSpec()
-    resources: dict[str, ResourceSpec] = Field(default_factory=dict)
+    resources: dict[str, ResourceSpec] = Field(default_factory=dict, validate_default=True)
     parallel: ParallelSpec = ParallelSpec()
 
     @field_validator("resources")
@@ -156,6 +166,25 @@ class JobSpec(_Strict):
         unknown = set(v) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
+        return v
+
+    # An external rollout engine runs our Ascend operators: the trainer and verifier must run the
+    # same operator set, and the rollout needs an NPU.
+    @field_validator("kernels")
+    @classmethod
+    def _ascend_for_external_engine(cls, v: KernelSpec, info: ValidationInfo) -> KernelSpec:
+        rollout = info.data.get("rollout")
+        if rollout is not None and rollout.engine == "vllm-ascend" and v.backend != "ascend":
+            raise ValueError("backend must be ascend when rollout.engine is vllm-ascend (the trainer and verifier "
+                             "must run the operators registered in vLLM)")
+        return v
+
+    @field_validator("resources")
+    @classmethod
+    def _npu_for_external_engine(cls, v: dict[str, ResourceSpec], info: ValidationInfo) -> dict[str, ResourceSpec]:
+        rollout = info.data.get("rollout")
+        if rollout is not None and rollout.engine == "vllm-ascend" and v.get("rollout", ResourceSpec()).npus < 1:
+            raise ValueError("rollout.npus must be >= 1 when rollout.engine is vllm-ascend")
         return v
 
     @field_validator("parallel")

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from onpolicy.jobs.dataset import load_dataset
 from onpolicy.jobs.spec import JobSpec, parse_spec
+from onpolicy.rollout.external import OWN_ENGINE, check_engine
 
 from .loop import Cancelled, GRPOLoop, RoleStubs
 from .records import JobEvent, JobRecord, JobState
@@ -55,6 +56,13 @@ class JobController:
         self._closed = False
 
     # ---- public API (JobService maps onto these) ------------------------------------------------
+    def preflight(self, spec: JobSpec) -> None:
+        """Check before accepting a job what can be checked here: when the launcher runs the role
+        services on this machine (``loopback``), an external rollout engine must be installed here
+        (else ``EngineUnavailable``). On a cluster the rollout's node decides (the job fails there)."""
+        if spec.rollout.engine != OWN_ENGINE and getattr(self.launcher, "loopback", False):
+            check_engine(spec.rollout.engine)
+
     def submit(self, spec: JobSpec) -> JobRecord:
         job_id = uuid.uuid4().hex[:12]
         rec = JobRecord(job_id=job_id, spec=spec.model_dump(mode="json"))

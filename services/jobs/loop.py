@@ -92,7 +92,8 @@ class GRPOLoop:
         rng = random.Random(self.spec.seed * 7919 + step)
         chosen = [c for c in comps if rng.random() < self.spec.verifier.sample_fraction] or comps[:1]
         req = api.verifier_pb2.SubmitSamplesRequest(
-            samples=[api.verifier_pb2.Sample(job_id=self.job_id, step=step, completion=c, source="onpolicy",
+            samples=[api.verifier_pb2.Sample(job_id=self.job_id, step=step, completion=c,
+                                             source=self.spec.rollout.engine,  # "onpolicy" or e.g. "vllm-ascend"
                                              kernel_fingerprint=self.rollout_fingerprint()) for c in chosen],
             wait=True)
         return self.stubs.verifier.SubmitSamples(req, timeout=CALL_TIMEOUT_S).report

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from onpolicy.jobs.spec import SpecError
+from onpolicy.rollout.external import EngineUnavailable
 from onpolicy.services import api
 
-from ..common.errors import FieldViolation, InvalidArgument, NotFound
+from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from .controller import JobController, JobNotFound
 from .convert import event_proto, job_proto, spec_from_proto
 
@@ -28,6 +29,10 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
         except SpecError as e:
             (field, desc), *rest = [(f"spec.{f}", d) for f, d in e.violations]
             raise InvalidArgument(field, desc, *(FieldViolation(f, d) for f, d in rest)) from None
+        try:
+            self.controller.preflight(spec)
+        except EngineUnavailable as e:  # e.g. engine: vllm-ascend on a machine without vllm-ascend
+            raise FailedPrecondition(str(e)) from None
         return api.jobs_pb2.SubmitJobResponse(job=job_proto(self.controller.submit(spec)))
 
     def GetJob(self, request, context):

@@ -42,7 +42,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                  max_sequences_per_request: int = 4096) -> None:
         self.lm: LoadedModel = engine.lm
         self.engine = engine
-        self.kernel_config: KernelConfig = engine.lm.model.ops.config
+        # An external engine (onpolicy.rollout.external) runs the operator set it names, not its CPU mirror's.
+        self.kernel_config: KernelConfig = getattr(engine, "kernel_config", None) or engine.lm.model.ops.config
         self.weights_fingerprint = weights_fingerprint or self.kernel_config.fingerprint
         """Kernel fingerprint a weight version must carry (this service's own unless configured)."""
         self.max_sequences = max_sequences_per_request
