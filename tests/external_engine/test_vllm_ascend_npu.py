@@ -1,0 +1,117 @@
+"""Hardware tests of the vllm-ascend rollout engine (an Atlas 800 A2/A3 box in the ``vllm-ascend``
+image: CANN, torch_npu, vllm, vllm-ascend and the onpolicy Ascend operators; docs/ascend.md).
+Skipped elsewhere. Until they have passed there, the engine is unverified.
+
+* vLLM's batch-invariant mode is on and our operators are installed in every worker;
+* the sampled tokens' logprobs equal our trainer's training path (Ascend backend) bit for bit, at
+  temperature 1, 0.7 and greedy, and the verifier counts no mismatched token for them;
+* a request's tokens and logprobs do not depend on the batch it ran in;
+* a pushed weight version reaches vLLM (logprobs change, and still equal the trainer's).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from onpolicy.kernels import KernelConfig, get_backend
+from onpolicy.models.checkpoint import copy_weights_
+from onpolicy.models.registry import load_model
+from onpolicy.rollout import EngineConfig, SamplingParams
+from onpolicy.rollout.external.vllm_ascend import missing_modules
+from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
+
+NPU_REASON = "needs an Ascend NPU with CANN, torch_npu, vllm and vllm-ascend (the vllm-ascend image)"
+
+pytestmark = [pytest.mark.npu, pytest.mark.skipif(bool(missing_modules()), reason=NPU_REASON)]
+
+MODEL = "tiny-llama"
+CONFIG = KernelConfig(backend="ascend", compute_dtype="fp32", kv_tile=64)
+PROMPTS = [[1, 5, 9, 200, 31], [7] * 70, [3, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 14]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from onpolicy.rollout.external.vllm_ascend import VllmAscendEngine
+
+    return VllmAscendEngine(MODEL, CONFIG, EngineConfig(max_num_seqs=16, max_batched_tokens=256),
+                            gpu_memory_utilization=0.4)
+
+
+@pytest.fixture(scope="module")
+def trainer_lm():
+    """The trainer's side: our model on the Ascend backend (training path)."""
+    return load_model(MODEL, get_backend(CONFIG))
+
+
+def trainer_logprobs(lm, completions) -> list[torch.Tensor]:
+    seqs = [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature) for c in completions]
+    with torch.no_grad():
+        return [t.float().cpu() for t in sequence_logprobs(lm.model, seqs)]
+
+
+def assert_bitwise(completions, trainer) -> None:
+    for c, t in zip(completions, trainer, strict=True):
+        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), t), (c.prompt_index, c.sample_index)
+
+
+def test_batch_invariant_mode_and_our_operators_are_on(engine) -> None:
+    from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant
+
+    from onpolicy.kernels.ascend.env import env_mismatches
+
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1" and vllm_is_batch_invariant()
+    assert env_mismatches() == {}
+    layers = engine.lm.config.num_layers
+    for report in engine.install_reports:
+        assert report["batch_invariant"] is True
+        assert report["attention"] == layers and report["rope"] >= 1 and report["lm_head"] == 1
+        assert report["rms_norm"] == 2 * layers + 1 and report["silu_and_mul"] == layers
+        assert report["fingerprint"].startswith(CONFIG.fingerprint)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_equal_the_training_path_bitwise(engine, trainer_lm, temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=3)
+    comps = engine.generate(PROMPTS, params)
+    assert len(comps) == len(PROMPTS) * 2 and all(c.weight_version == engine.weight_version for c in comps)
+    assert_bitwise(comps, trainer_logprobs(trainer_lm, comps))
+
+
+def test_the_verifier_counts_no_mismatch(engine, trainer_lm) -> None:
+    from onpolicy.verification.verifier import Verifier, VerifySample
+
+    comps = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, n=2, seed=11))
+    samples = [VerifySample(job_id="npu", step=0, prompt_ids=c.prompt_ids, token_ids=c.token_ids,
+                            logprobs=c.logprobs, temperature=c.temperature, weight_version=0, source="vllm-ascend")
+               for c in comps]
+    stats = Verifier(trainer_lm).verify(samples).stats
+    assert stats.tokens_checked == sum(len(c.token_ids) for c in comps)
+    assert stats.mismatched_tokens == 0 and stats.max_abs_logdiff == 0
+
+
+def test_a_request_does_not_depend_on_its_batch(engine) -> None:
+    params = SamplingParams(max_new_tokens=32, seed=5)
+    alone = engine.generate(PROMPTS[:1], params)[0]
+    crowd = engine.generate([*PROMPTS[1:], PROMPTS[0], *PROMPTS[1:]], params)
+    together = next(c for c in crowd if c.prompt_index == len(PROMPTS) - 1)
+    assert together.token_ids == alone.token_ids
+    assert torch.equal(torch.tensor(together.logprobs), torch.tensor(alone.logprobs))
+
+
+def test_a_weight_version_reaches_vllm(engine, trainer_lm) -> None:
+    params = SamplingParams(max_new_tokens=16, seed=9, temperature=0.0)
+    before = engine.generate(PROMPTS, params)
+    gen = torch.Generator().manual_seed(0)
+    state = {k: v.detach().cpu().clone() for k, v in trainer_lm.model.state_dict().items()}
+    for t in state.values():
+        if t.is_floating_point() and t.dim() == 2:
+            t.add_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.02)
+    copy_weights_(trainer_lm.model, state)
+    engine.update_weights(state, 1)
+    after = engine.generate(PROMPTS, params)
+    assert engine.weight_version == 1 and all(c.weight_version == 1 for c in after)
+    assert any(a.logprobs != b.logprobs for a, b in zip(after, before, strict=True))
+    assert_bitwise(after, trainer_logprobs(trainer_lm, after))
