@@ -37,6 +37,11 @@ class RoleOptions:
     """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
     engine: str = "onpolicy"
     """Rollout: ``onpolicy`` or an external engine (``vllm-ascend``; ``onpolicy.rollout.external``)."""
+    trainer_dp: int = 1
+    """Trainer: data-parallel ranks; the service is rank 0, its peers are Ray actors it starts
+    (``onpolicy.trainer.data_parallel``)."""
+    trainer_dp_npus: int = 0
+    """Trainer: NPUs each data-parallel peer requests (as many as the trainer itself)."""
 
     @property
     def kernel_config(self) -> KernelConfig:
@@ -77,7 +82,8 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
     if role == "trainer":
         from .trainer.service import build_trainer_service
 
-        servicer = build_trainer_service(opts.model, opts.kernel_config)
+        servicer = build_trainer_service(opts.model, opts.kernel_config, data_parallel=opts.trainer_dp,
+                                         peer_npus=opts.trainer_dp_npus)
         return servicer, api.trainer_pb2_grpc.add_TrainerServiceServicer_to_server
     if role == "verifier":
         from .verifier.service import build_verifier_service

@@ -23,7 +23,7 @@ import contextlib
 import datetime
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,17 @@ from .checkpoint import CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
 from .engine import TrainerEngine
 from .reduction import Grads, check_degree
+
+Loader = Callable[[str, KernelConfig], LoadedModel]
+"""Loads a model reference on an operator set (e.g. ``onpolicy.services.common.model.load_certified``)."""
+
+
+def load_model(model: str, kernel_config: KernelConfig) -> LoadedModel:
+    """The default peer loader: the model on ``kernel_config``'s backend, uncertified."""
+    from onpolicy.kernels import get_backend
+    from onpolicy.models.registry import load_model as load
+
+    return load(model, get_backend(kernel_config))
 
 
 class ReplicaDivergence(RuntimeError):
@@ -96,15 +107,12 @@ class DataParallelWorker:
     """Body of a peer rank's Ray actor: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
 
     def __init__(self, rank: int, size: int, port: int, model: str, kernel_config: KernelConfig,
-                 trainer_config: TrainerConfig | None, threads: int, timeout_s: float) -> None:
+                 trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
         from onpolicy.services.cluster.local_ray import ray_env
 
         ray_env()
         torch.set_num_threads(threads)
-        from onpolicy.kernels import get_backend
-        from onpolicy.models.registry import load_model
-
-        lm = load_model(model, get_backend(kernel_config))
+        lm = (loader or load_model)(model, kernel_config)
         self.exchange = GlooExchange(rank, size, port, timeout_s)
         self.engine = TrainerEngine(lm, trainer_config, self.exchange)
 
@@ -128,13 +136,14 @@ class DataParallelWorker:
 class DataParallelEngine(TrainerEngine):
     """Rank 0 of ``degree`` data-parallel ranks (peers: Ray actors on the current Ray cluster, started
     with ``peer_options``, e.g. ``{"num_cpus": 1}``; start a local cluster with
-    ``onpolicy.services.cluster.local_ray.init_ray``). ``model_ref`` is what peers load (the reference
-    ``lm`` was loaded from). ``close()`` (or ``with``) ends the peers; a failed collective or peer
-    closes them too (the engine is then unusable)."""
+    ``onpolicy.services.cluster.local_ray.init_ray``). Peers load ``model_ref`` (the reference ``lm``
+    was loaded from) with ``loader`` (a picklable function; default: no certification). ``close()``
+    (or ``with``) ends the peers; a failed collective or peer closes them too (the engine is then
+    unusable)."""
 
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int, model_ref: str,
-                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 loader: Loader | None = None, threads_per_worker: int | None = None,
+                 peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0) -> None:
         import ray
 
         check_degree(degree)
@@ -143,7 +152,7 @@ class DataParallelEngine(TrainerEngine):
         port = free_loopback_port()
         remote = ray.remote(DataParallelWorker)
         self.peers = [remote.options(max_restarts=0, **(peer_options or {"num_cpus": threads})).remote(
-            rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s)
+            rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader)
             for rank in range(1, degree)]
         try:
             exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None

@@ -96,7 +96,8 @@ def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str =
     opts = RoleOptions(model=spec.model, backend=backend, dtype=spec.kernels.dtype, kv_tile=spec.kernels.kv_tile,
                        max_num_seqs=spec.rollout.max_num_seqs, max_batched_tokens=spec.rollout.max_batched_tokens,
                        weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir,
-                       engine=spec.rollout.engine if role == "rollout" else "onpolicy")
+                       engine=spec.rollout.engine if role == "rollout" else "onpolicy",
+                       trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus)
     if role == "verifier":  # the verifier records the rollout's kernels with the samples it stores
         rollout = RoleOptions(**role_options(spec, "rollout"))
         opts = replace(opts, rollout_kernel_fingerprint=rollout.kernel_config.fingerprint)

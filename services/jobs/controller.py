@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from onpolicy.jobs.dataset import load_dataset
-from onpolicy.jobs.spec import JobSpec, parse_spec
+from onpolicy.jobs.spec import JobSpec, SpecError, parse_spec
 from onpolicy.rollout.external import OWN_ENGINE, check_engine
 
 from .loop import Cancelled, GRPOLoop, RoleStubs
@@ -36,6 +36,18 @@ class ServiceLauncher(Protocol):
     def launch(self, job_id: str, spec: JobSpec) -> AbstractContextManager[RoleStubs]:
         """Start (or attach to) the rollout, trainer and verifier services of a job."""
         ...
+
+
+def check_supported(spec: JobSpec) -> None:
+    """Refuse (``SpecError`` naming the field) the parallel degrees the role services do not run yet,
+    rather than ignore them: tensor and expert parallel (``parallel.*.tp``, ``parallel.*.ep`` > 1).
+    The trainer's data-parallel degree is run (``onpolicy.trainer.data_parallel``)."""
+    bad = [(f"parallel.{role}.{name}", f"{name}={value}: the {role} service runs one model replica per process; "
+            "tensor and expert parallel degrees > 1 are not wired into the services yet (only 1 is supported)")
+           for role, degrees in (("rollout", spec.parallel.rollout), ("trainer", spec.parallel.trainer))
+           for name in ("tp", "ep") if (value := getattr(degrees, name)) > 1]
+    if bad:
+        raise SpecError(bad)
 
 
 class _Job:
@@ -64,6 +76,7 @@ class JobController:
             check_engine(spec.rollout.engine)
 
     def submit(self, spec: JobSpec) -> JobRecord:
+        check_supported(spec)
         job_id = uuid.uuid4().hex[:12]
         rec = JobRecord(job_id=job_id, spec=spec.model_dump(mode="json"))
         job = _Job(rec, [])

@@ -7,7 +7,7 @@ from onpolicy.rollout.external import EngineUnavailable
 from onpolicy.services import api
 
 from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
-from .controller import JobController, JobNotFound
+from .controller import JobController, JobNotFound, check_supported
 from .convert import event_proto, job_proto, spec_from_proto
 
 
@@ -26,6 +26,7 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
     def SubmitJob(self, request, context):
         try:
             spec = spec_from_proto(request.spec)
+            check_supported(spec)
         except SpecError as e:
             (field, desc), *rest = [(f"spec.{f}", d) for f, d in e.violations]
             raise InvalidArgument(field, desc, *(FieldViolation(f, d) for f, d in rest)) from None

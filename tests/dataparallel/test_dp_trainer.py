@@ -4,20 +4,17 @@ restored on rank 0 restores every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 import torch
 
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
 from onpolicy.trainer.data_parallel import DataParallelEngine
-from onpolicy.trainer.grpo import group_advantages
 
 MODEL = "tiny-qwen3"
 # pack_tokens 24: each minibatch is cut into 3-5 canonical units, so ranks own uneven subtrees
@@ -25,31 +22,6 @@ TRAINER = TrainerConfig(pack_tokens=24, seed=7)
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 # step 1: one minibatch, token-mean; step 2: two minibatches, seq-mean, a KL penalty, 2 epochs
 LOSSES = (LossConfig(kl_coef=0.05), LossConfig(minibatches=2, epochs=2, loss_agg="seq-mean", kl_coef=0.05))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
-
-    init_ray(num_cpus=4)
-    yield
-    shutdown_ray()
-
-
-@pytest.fixture(scope="module")
-def batches(load_tiny: Callable[..., LoadedModel]) -> list[list[TrainSample]]:
-    """Two global batches of real rollouts (8 samples each), rewarded by the share of even token ids."""
-    lm = load_tiny(MODEL)
-    out = []
-    for seed in (3, 4):
-        comps = RolloutEngine(lm, EngineConfig(kv_cache_tokens=1024)).generate(
-            [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7, 9, 11, 13, 15], [8, 6]],
-            SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=seed, ignore_eos=True))
-        rewards = [sum(t % 2 == 0 for t in c.token_ids) / len(c.token_ids) for c in comps]
-        out.append([TrainSample(prompt_ids=c.prompt_ids, token_ids=c.token_ids, old_logprobs=c.logprobs,
-                                advantage=a, temperature=c.temperature)
-                    for c, a in zip(comps, group_advantages(rewards, 2), strict=True)])
-    return out
 
 
 def _train(degree: int, lm: LoadedModel, batches: list[list[TrainSample]], checkpoints: Path | None = None,
