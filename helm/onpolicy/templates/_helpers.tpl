@@ -243,3 +243,25 @@ limits:
 {}
 {{- end -}}
 {{- end -}}
+
+{{/* The parallel layout (values `parallel`) the worker groups are sized for: every degree a power of
+     two, and an NPU group big enough for it — the rollout needs max(tp, ep) NPUs, the trainer
+     dp × max(tp, ep) (dp ranks, each a whole model over max(tp, ep) ranks; docs/services.md). */}}
+{{- define "onpolicy.checkParallel" -}}
+{{- $p := .Values.parallel -}}
+{{- range $role, $names := dict "rollout" (list "tp" "ep") "trainer" (list "tp" "ep" "dp") -}}
+{{- $degrees := index $p $role -}}
+{{- range $name := $names -}}
+{{- $v := index $degrees $name -}}
+{{- if not (has (int $v) (list 1 2 4 8 16 32 64 128 256 512 1024)) -}}
+{{- fail (printf "parallel.%s.%s must be a power of two between 1 and 1024, got %v" $role $name $v) -}}
+{{- end -}}
+{{- end -}}
+{{- $need := max (int $degrees.tp) (int $degrees.ep) | mul (int (default 1 $degrees.dp)) -}}
+{{- $g := index $.Values.ray.workers $role -}}
+{{- $has := mul (int (default 0 $g.npus)) (int $g.maxReplicas) -}}
+{{- if and $g.enabled (gt (int (default 0 $g.npus)) 0) (lt $has $need) -}}
+{{- fail (printf "parallel.%s needs %d NPUs (dp × max(tp, ep)) but ray.workers.%s offers %d (npus × maxReplicas)" $role $need $role $has) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
