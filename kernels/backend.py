@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from .config import KernelConfig
@@ -23,6 +25,67 @@ class MoERouting:
 
     weights: Tensor  # [N, k] fp32
     experts: Tensor  # [N, k] int64
+
+
+class ShardGroup(Protocol):
+    """The ranks one tensor is sharded over (tensor- or expert-parallel), as the operators see them:
+    ``degree`` shards, this rank holds shard ``index``. Implemented over torch.distributed by
+    ``onpolicy.parallel``; ``SINGLE`` is the unsharded case (every method is the identity)."""
+
+    degree: int
+    index: int
+
+    def gather(self, t: Tensor) -> Tensor:
+        """Concatenation along dim 0 of ``t`` of shards ``0..degree-1`` in shard order (exact: no
+        arithmetic). Under autograd the gradient of this rank's part flows back to ``t``."""
+        ...
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Plain sum of ``t`` over the shards, in whatever order the transport uses (fast mode only)."""
+        ...
+
+    def enter(self, t: Tensor) -> Tensor:
+        """Identity in the forward pass; in the backward pass the gradient is summed over the shards
+        (a replicated activation entering a sharded computation)."""
+        ...
+
+
+class _Single:
+    degree = 1
+    index = 0
+
+    def gather(self, t: Tensor) -> Tensor:
+        return t
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        return t
+
+    def enter(self, t: Tensor) -> Tensor:
+        return t
+
+
+SINGLE: ShardGroup = _Single()
+"""The unsharded group (degree 1)."""
+
+
+class RowWeight(Protocol):
+    """The weight of a row-parallel linear as this rank holds it."""
+
+    weight: Tensor
+    """``[Out, K_local]``: the rank's contiguous slice of the input dim."""
+
+    def chunked(self, chunks: int) -> Tensor:
+        """``[chunks, Out, K_local / chunks]`` contiguous: chunk ``i`` is columns
+        ``[i*Kc, (i+1)*Kc)`` of ``weight``, laid out the same whatever the TP degree."""
+        ...
+
+
+def fold_chunks(partials: Tensor) -> Tensor:
+    """The canonical reduction: ``partials [C, ...]`` summed left to right in chunk order in fp32."""
+    acc = partials[0].float()
+    for i in range(1, partials.shape[0]):
+        acc = acc + partials[i].float()
+    return acc
 
 
 class Backend(ABC):
@@ -41,6 +104,24 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` for 2-D ``x [N, K]`` and ``weight [Out, K]``."""
+
+    def row_linear(self, x: Tensor, weight: RowWeight, group: ShardGroup = SINGLE) -> Tensor:
+        """Row-parallel ``x @ W.T`` where ``W``'s input dim K is sharded over ``group`` and ``x [N, K_local]``
+        holds this rank's K slice; returns the full ``[N, Out]`` on every rank.
+
+        Consistent backends use the canonical reduction: K is split into ``config.reduce_chunks``
+        chunks (this rank owns ``reduce_chunks / degree`` of them), each chunk's partial is one
+        ``linear`` call on contiguous operands of the same shape at every degree, the partials are
+        gathered in chunk order and folded left to right in fp32 (``fold_chunks``) — so the bits do
+        not depend on the degree. The fast backend computes one plain ``linear`` on the local slice
+        and sums the ranks' outputs with a plain all-reduce (bits depend on the degree)."""
+        if not self.config.consistent:
+            return group.all_reduce(self.linear(x, weight.weight))
+        chunks = self.config.reduce_chunks // group.degree
+        w = weight.chunked(chunks)
+        kc = w.shape[2]
+        partials = torch.stack([self.linear(x[:, i * kc:(i + 1) * kc].contiguous(), w[i]) for i in range(chunks)])
+        return fold_chunks(group.gather(partials)).to(x.dtype)
 
     @abstractmethod
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 #: Bumped whenever a kernel's arithmetic changes, so old fingerprints stop matching.
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,6 +39,10 @@ class KernelConfig:
     """Rows of every GEMM are padded to a multiple of this, so one GEMM shape class serves all M."""
     kv_tile: int = 64
     """Attention reduces over keys in blocks of this many positions, from position 0 ascending."""
+    reduce_chunks: int = 4
+    """Row-parallel linears (``o_proj``, ``down_proj``) split their input dim K into this many equal
+    chunks, compute one partial per chunk and fold the partials left to right in chunk order, at every
+    tensor-parallel degree (a TP degree must divide it): the canonical reduction of DESIGN §3."""
     compute_dtype: DTypeName = "fp32"
     """Dtype of weights and activations between operators."""
     accum_dtype: Literal["fp32"] = "fp32"
@@ -48,7 +52,7 @@ class KernelConfig:
     contract_version: int = field(default=CONTRACT_VERSION)
 
     def __post_init__(self) -> None:
-        for name in ("row_tile", "kv_tile", "contract_version"):
+        for name in ("row_tile", "kv_tile", "reduce_chunks", "contract_version"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
@@ -59,6 +63,8 @@ class KernelConfig:
             raise ValueError(f"row_tile must be a power of two >= 1, got {self.row_tile}")
         if self.kv_tile < 1 or self.kv_tile & (self.kv_tile - 1):
             raise ValueError(f"kv_tile must be a power of two >= 1, got {self.kv_tile}")
+        if self.reduce_chunks < 1 or self.reduce_chunks & (self.reduce_chunks - 1):
+            raise ValueError(f"reduce_chunks must be a power of two >= 1, got {self.reduce_chunks}")
         dtype_of(self.compute_dtype)
         if self.accum_dtype != "fp32" or self.logits_dtype != "fp32":
             raise ValueError("accum_dtype and logits_dtype must be fp32")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .backend import Backend
+from .backend import SINGLE, Backend, fold_chunks
 from .config import KernelConfig
 from .kv import AttentionBatch, ContiguousKV, PagedKV
 from .registry import get_backend
@@ -202,6 +202,117 @@ def _attention_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torc
     return results
 
 
+TP_DEGREES = (1, 2, 4)
+
+
+class _ChunkedWeight:
+    """A row-parallel weight shard as the model holds it (``RowWeight``)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+
+    def chunked(self, chunks: int) -> Tensor:
+        w = self.weight
+        return w.view(w.shape[0], chunks, w.shape[1] // chunks).transpose(0, 1).contiguous()
+
+
+class _OneRank:
+    """Stands in for one rank of a TP group inside this process: records the rank's partials (the
+    probe folds all ranks' partials itself) and returns them repeated so the shapes work out."""
+
+    def __init__(self, degree: int, index: int, parts: dict[int, Tensor]) -> None:
+        self.degree, self.index, self.parts = degree, index, parts
+
+    def gather(self, t: Tensor) -> Tensor:
+        self.parts[self.index] = t
+        return torch.cat([t] * self.degree)
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        return t
+
+    def enter(self, t: Tensor) -> Tensor:
+        return t
+
+
+def _row_parallel_probe(ops: Backend, name: str, w: Tensor, x: Tensor) -> ProbeResult:
+    """Canonical reduction: each rank's chunk partials, computed from its weight shard, folded in
+    chunk order, equal the degree-1 result — for every TP degree dividing ``reduce_chunks``."""
+    chunks = ops.config.reduce_chunks
+    full = ops.row_linear(x, _ChunkedWeight(w), SINGLE)
+    checked, fails = 0, []
+    for t in TP_DEGREES:
+        if chunks % t or w.shape[1] % chunks:
+            continue
+        k = w.shape[1] // t
+        parts: dict[int, Tensor] = {}
+        for r in range(t):
+            ops.row_linear(x[:, r * k:(r + 1) * k].contiguous(), _ChunkedWeight(w[:, r * k:(r + 1) * k].contiguous()),
+                           _OneRank(t, r, parts))
+        checked += 1
+        if len(parts) < t:
+            fails.append(f"tp {t}: no canonical gather of partials")
+        elif not torch.equal(fold_chunks(torch.cat([parts[r] for r in range(t)])).to(x.dtype), full):
+            fails.append(f"tp {t}")
+    return ProbeResult(f"row-parallel/{name}", not fails, checked, "; ".join(fails))
+
+
+def _column_parallel_probe(ops: Backend, name: str, w: Tensor, x: Tensor, units: int) -> ProbeResult:
+    """Column slices: ``linear(x, W[a:b]) == linear(x, W)[:, a:b]`` for each TP degree's slices.
+    The output dim is ``units`` equal blocks (heads, or columns); a slice is never narrower than one
+    block (KV heads are replicated, not split, when the degree exceeds them)."""
+    full = ops.linear(x, w)
+    checked, fails = 0, []
+    for t in TP_DEGREES:
+        if units % t and t % units:
+            continue
+        n = w.shape[0] // min(t, units)
+        for r in range(min(t, units)):
+            checked += 1
+            if not torch.equal(ops.linear(x, w[r * n:(r + 1) * n].contiguous()), full[:, r * n:(r + 1) * n]):
+                fails.append(f"tp {t} shard {r}")
+    return ProbeResult(f"column-parallel/{name}", not fails, checked, "; ".join(fails[:4]))
+
+
+def _head_slice_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
+    """Attention over a TP rank's heads (KV heads replicated when the degree exceeds them) equals
+    those heads of the full attention, on the training path and in paged decode."""
+    tile = ops.config.kv_tile
+    lens = [3, tile + 5]
+    n = sum(lens)
+    q = torch.randn(n, s.num_heads, s.head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, s.num_kv_heads, s.head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, s.num_kv_heads, s.head_dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    batch = AttentionBatch.build(lens, [0] * len(lens), lens)
+    scale = s.head_dim ** -0.5
+    full = ops.attention(q, ContiguousKV(k, v, cu), batch, scale)
+    group = s.num_heads // s.num_kv_heads
+    checked, fails = 0, []
+    for t in TP_DEGREES:
+        if s.num_heads % t or (s.num_kv_heads % t and t % s.num_kv_heads):
+            continue
+        hq = s.num_heads // t
+        hkv = s.num_kv_heads // t if t <= s.num_kv_heads else 1
+        for r in range(t):
+            kv0 = r * hkv if t <= s.num_kv_heads else r * hq // group
+            qs, ks, vs = (q[:, r * hq:(r + 1) * hq].contiguous(), k[:, kv0:kv0 + hkv].contiguous(),
+                          v[:, kv0:kv0 + hkv].contiguous())
+            checked += 1
+            if not torch.equal(ops.attention(qs, ContiguousKV(ks, vs, cu), batch, scale), full[:, r * hq:(r + 1) * hq]):
+                fails.append(f"tp {t} shard {r}")
+            last = n - 1  # the last row again, as one paged decode step over a one-page cache per sequence
+            page = -(-lens[-1] // tile) * tile
+            kp = torch.zeros(1, page, hkv, s.head_dim, dtype=dtype)
+            vp = torch.zeros_like(kp)
+            kp[0, :lens[-1]], vp[0, :lens[-1]] = ks[cu[-2]:], vs[cu[-2]:]
+            one = ops.attention(qs[last:last + 1], PagedKV(kp, vp, torch.zeros(1, 1, dtype=torch.int64)),
+                                AttentionBatch.build([1], [lens[-1] - 1], [lens[-1]]), scale)
+            checked += 1
+            if not torch.equal(one[0], full[last, r * hq:(r + 1) * hq]):
+                fails.append(f"tp {t} shard {r} decode")
+    return ProbeResult("attention/head-slices", not fails, checked, "; ".join(fails[:4]))
+
+
 def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
     b = 9
     lp = torch.log_softmax(torch.randn(b, s.vocab, generator=gen) * 3, -1)
@@ -242,6 +353,13 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
     for lname, (k_in, k_out) in linears.items():
         w = rnd(k_out, k_in) * 0.05
         add(_rows_probe(f"linear/{lname}[{k_in}x{k_out}]", lambda a, w=w: ops.linear(a, w), rnd(rows, k_in), gen))
+        if lname in ("o_proj", "down"):
+            add(_row_parallel_probe(ops, f"{lname}[{k_in}x{k_out}]", w, rnd(13, k_in)))
+    columns = {"q": (s.num_heads * s.head_dim, s.num_heads), "kv": (s.num_kv_heads * s.head_dim, s.num_kv_heads),
+               "gate-up": (s.intermediate, s.intermediate)}
+    for lname, (k_out, units) in columns.items():
+        add(_column_parallel_probe(ops, f"{lname}[{s.hidden}x{k_out}]", rnd(k_out, s.hidden) * 0.05,
+                                   rnd(13, s.hidden), units))
     nw = rnd(s.hidden) + 1
     add(_rows_probe("rmsnorm", lambda a: ops.rmsnorm(a, nw, 1e-6), rnd(rows, s.hidden), gen))
     hw = rnd(s.head_dim) + 1
@@ -263,6 +381,7 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
     add(_rows_probe("moe/route-ids", lambda a: ops.moe_route(a, min(s.top_k, e), True).experts,
                     torch.randn(rows, e, generator=gen).round(), gen))
     add(_attention_probe(ops, s, dt, gen))
+    add(_head_slice_probe(ops, s, dt, gen))
     add(_sampling_probe(s, gen))
     report.seconds = round(time.perf_counter() - t0, 3)
     return report

@@ -1,5 +1,10 @@
 """Linear with a fixed row tile: rows are padded to a multiple of ``row_tile`` so that every call,
-whatever its row count, uses the same GEMM shape class (no GEMV for M=1, no M-dependent kernel)."""
+whatever its row count, uses the same GEMM shape class (no GEMV for M=1, no M-dependent kernel).
+
+Outputs narrower than ``MIN_COLUMNS`` are computed on a weight zero-padded to that width: on x86
+CPUs a GEMM with very few output columns takes another kernel path (measured: widths below 12
+give other bits than the same columns of a wider GEMM), which would break column-parallel
+invariance (a TP rank computing 8 of 32 columns). The selftest's column-parallel probe certifies it."""
 
 from __future__ import annotations
 
@@ -15,8 +20,13 @@ def pad_rows(x: Tensor, tile: int) -> Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
 
 
+MIN_COLUMNS = 16
+
+
 def tiled_linear(x: Tensor, weight: Tensor, tile: int) -> Tensor:
     if x.dim() != 2:
         raise ValueError(f"linear expects 2-D input [N, K], got shape {tuple(x.shape)}")
-    n = x.shape[0]
+    n, out = x.shape[0], weight.shape[0]
+    if out < MIN_COLUMNS:
+        return F.linear(pad_rows(x, tile), pad_rows(weight, MIN_COLUMNS))[:n, :out]
     return F.linear(pad_rows(x, tile), weight)[:n]

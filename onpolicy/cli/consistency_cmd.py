@@ -1,10 +1,17 @@
-"""``onpolicy consistency``: prove rollout logprobs equal the trainer's, bit for bit."""
+"""``onpolicy consistency``: prove rollout logprobs equal the trainer's, bit for bit — in one
+process, or with ``--rollout-tp/--trainer-tp/--rollout-ep/--trainer-ep`` on local worker processes
+(loopback gloo), the rollout engine and the training path each at its own parallel degrees."""
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
+import time
+from collections.abc import Callable
 
+from onpolicy.kernels import KernelConfig
+from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.verification.consistency import run_consistency
 
 from .common import add_model_args, emit_json, fail, kernel_config, load
@@ -17,8 +24,64 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedules", type=int, default=3, help="randomized continuous-batching schedules (default 3)")
+    for role in ("rollout", "trainer"):
+        p.add_argument(f"--{role}-tp", type=int, default=1, help=f"{role} tensor-parallel degree (default 1)")
+        p.add_argument(f"--{role}-ep", type=int, default=1, help=f"{role} expert-parallel degree (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the worker processes (default 600)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
+
+
+def _degrees(args: argparse.Namespace) -> dict[str, int]:
+    return {f"{r}_{d}": getattr(args, f"{r}_{d}") for r in ("rollout", "trainer") for d in ("tp", "ep")}
+
+
+def _check_degrees(args: argparse.Namespace, lm: LoadedModel, config: KernelConfig) -> None:
+    from onpolicy.parallel.layout import check_degrees
+
+    for role in ("rollout", "trainer"):
+        tp, ep = getattr(args, f"{role}_tp"), getattr(args, f"{role}_ep")
+        for d, v in (("tp", tp), ("ep", ep)):
+            if v < 1 or v & (v - 1) or v > 8:
+                fail(f"--{role}-{d} must be a power of two from 1 to 8, got {v}")
+        try:
+            check_degrees(lm.config, tp, ep, config.reduce_chunks)
+        except ValueError as e:
+            fail(f"--{role}-tp {tp} --{role}-ep {ep}: {e}")
+
+
+def _run_parallel(args: argparse.Namespace, lm: LoadedModel, config: KernelConfig, log: Callable[[str], None]) -> int:
+    """One rollout at the rollout degrees and its recompute at the trainer degrees, on local workers."""
+    from onpolicy.parallel.check import CheckSpec, Job, run_checks
+    from onpolicy.parallel.launch import WorkerError
+    from onpolicy.verification.consistency import build_prompts
+    from onpolicy.verification.logdiff import compare
+
+    prompts = build_prompts(lm, args.requests, random.Random(args.seed))
+    jobs = [Job("rollout", args.rollout_tp, args.rollout_ep), Job("trainer", args.trainer_tp, args.trainer_ep)]
+    spec = CheckSpec(args.model, config.to_dict(), jobs, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                     seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        rollout, trainer = run_checks([spec], timeout_s=args.timeout)[0][0] or []
+    except WorkerError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    stats = compare(rollout.logprobs, trainer.logprobs)
+    report = {"model": lm.name, "kernel_fingerprint": config.fingerprint, "requests": args.requests,
+              **_degrees(args), "tokens_checked": stats.tokens_checked, "mismatched_tokens": stats.mismatched_tokens,
+              "max_abs_logdiff": stats.max_abs_logdiff, "seconds": round(time.perf_counter() - t0, 2),
+              "passed": stats.mismatched_tokens == 0}
+    log(f"rollout tp={args.rollout_tp} ep={args.rollout_ep} vs trainer tp={args.trainer_tp} ep={args.trainer_ep}: "
+        f"{stats.tokens_checked} tokens in {report['seconds']}s")
+    if args.json:
+        emit_json(report)
+    else:
+        verdict = "PASS" if report["passed"] else "FAIL"
+        print(f"{verdict}: {stats.tokens_checked} tokens checked, {stats.mismatched_tokens} mismatched, "
+              f"max |logdiff| {stats.max_abs_logdiff:.3g} (rollout tp={args.rollout_tp} ep={args.rollout_ep}, "
+              f"trainer tp={args.trainer_tp} ep={args.trainer_ep})")
+    return 0 if report["passed"] else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
         fail("--schedules must be >= 0")
     config = kernel_config(args)
     lm = load(args, config)
+    _check_degrees(args, lm, config)
 
     def log(msg: str) -> None:
         if not args.json:
             print(msg, file=sys.stderr, flush=True)
+
+    if any(v > 1 for v in _degrees(args).values()):
+        return _run_parallel(args, lm, config, log)
 
     log(f"consistency check of {lm.name} with {config.fingerprint}: {args.requests} requests x "
         f"{args.max_new_tokens} new tokens")

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
+from onpolicy.parallel.layout import ModelParallel, check_degrees
 
 from .config import ModelConfig
 from .context import AttentionContext
@@ -27,24 +28,31 @@ def rope_table(head_dim: int, theta: float, max_positions: int) -> tuple[Tensor,
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: ModelParallel) -> None:
         super().__init__()
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Backend, par: ModelParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.ops = ops
-        self.model = Decoder(cfg)
+        self.parallel = par or ModelParallel()
+        check_degrees(cfg, self.parallel.tp.degree, self.parallel.ep.degree, ops.config.reduce_chunks)
+        self.model = Decoder(cfg, self.parallel)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
         self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self._head_cache: tuple[tuple[int, int], Tensor] | None = None
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank holds (all of them unless the model is tensor-parallel)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def dtype(self) -> torch.dtype:

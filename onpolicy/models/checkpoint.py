@@ -1,11 +1,12 @@
 """Checkpoint loading: HF directories (config.json + safetensors, sharded index) and GGUF files,
-into a ``CausalLM`` on a given backend, plus the weight checksum every service reports."""
+into a ``CausalLM`` on a given backend, plus the weight checksum every service reports, and the
+tensor/expert-parallel slicing of a full state dict (``shard_state_dict``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tokenizers
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from onpolicy.kernels import Backend
+from onpolicy.parallel.layout import ModelParallel, head_shard
 
 from .causal_lm import CausalLM
 from .config import ModelConfig
@@ -91,14 +93,74 @@ def read_hf_tokenizer(path: Path, config: dict) -> Tokenizer | None:
     return Tokenizer(inner, template, tuple(eos))
 
 
-def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str) -> CausalLM:
+_ROW = ("o_proj", "down_proj")
+
+
+def shard_state_dict(state: dict[str, Tensor], cfg: ModelConfig, par: ModelParallel) -> dict[str, Tensor]:
+    """This rank's slice of a full (HF-named) state dict under ``par``: attention heads and dense
+    MLP columns split over the TP group (``q/k/v/gate/up`` by output rows, ``o_proj``/``down_proj`` by
+    input columns; ``k/v_proj`` whole when the TP degree exceeds the KV heads), experts split
+    contiguously over the EP group (names keep the global expert id), everything else replicated.
+    Sliced tensors are contiguous copies; the rest are the input tensors themselves."""
+    tp, ep = par.tp, par.ep
+    if tp.degree == 1 and ep.degree == 1:
+        return state
+    heads = head_shard(cfg, tp.degree, tp.index)
+    d = cfg.head_dim
+    q = slice(heads.q_start * d, (heads.q_start + heads.q_count) * d)
+    kv = slice(heads.kv_start * d, (heads.kv_start + heads.kv_count) * d)
+    per = cfg.num_experts // ep.degree if cfg.num_experts else 0
+    mine = range(ep.index * per, (ep.index + 1) * per)
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            if int(parts[parts.index("experts") + 1]) in mine:
+                out[name] = t
+            continue
+        module = parts[-2] if len(parts) >= 2 else ""
+        is_weight = parts[-1] == "weight"
+        if module in ("q_proj", "o_proj"):
+            cols = q
+        elif module in ("k_proj", "v_proj"):
+            if tp.degree > cfg.num_kv_heads:  # replicated whole; the layer slices its KV head
+                out[name] = t
+                continue
+            cols = kv
+        elif module in ("gate_proj", "up_proj", "down_proj"):
+            width = cfg.intermediate_size // tp.degree
+            cols = slice(tp.index * width, (tp.index + 1) * width)
+        else:
+            out[name] = t
+            continue
+        if module in _ROW:
+            out[name] = t[:, cols].contiguous() if is_weight else t  # a row-parallel bias is added once
+        else:
+            out[name] = t[cols].contiguous()
+    return out
+
+
+def shard_model(lm: LoadedModel, par: ModelParallel) -> LoadedModel:
+    """``lm`` rebuilt to hold this rank's shard under ``par`` (same name, tokenizer and checksum,
+    which name the full weights)."""
+    with torch.device("meta"):
+        model = CausalLM(lm.config, lm.model.ops, par)
+    model.load_state_dict(shard_state_dict(lm.model.state_dict(), lm.config, model.parallel), assign=True)
+    model.requires_grad_(False)
+    return replace(lm, model=model.to_device(lm.model.device))
+
+
+def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str,
+                par: ModelParallel | None = None) -> CausalLM:
+    """A ``CausalLM`` from full HF-named tensors; with ``par`` the model holds this rank's shard."""
     cfg = ModelConfig.from_hf(config)
     with torch.device("meta"):
-        model = CausalLM(cfg, ops)
+        model = CausalLM(cfg, ops, par)
     expected = dict(model.named_parameters())
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    tensors = shard_state_dict(tensors, cfg, model.parallel)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -117,7 +179,9 @@ def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: 
 
 def copy_weights_(model: CausalLM, state: dict[str, Tensor]) -> None:
     """Copy ``state`` into ``model``'s parameters in place (cast to their dtype) after checking that
-    every parameter is present with its shape; on error nothing has been changed."""
+    every parameter is present with its shape; on error nothing has been changed. A sharded model
+    takes the full state and keeps its own shard."""
+    state = shard_state_dict(state, model.config, model.parallel)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state))
     if missing:

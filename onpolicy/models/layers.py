@@ -1,5 +1,12 @@
 """Decoder building blocks. Every numerical step calls an operator of the ``Backend`` passed in;
-no layer does arithmetic of its own beyond residual adds (exact elementwise)."""
+no layer does arithmetic of its own beyond residual adds (exact elementwise).
+
+Under tensor/expert parallelism (``onpolicy.parallel``) a layer holds its rank's shard: attention
+heads and MLP columns are split over the TP group (``q/k/v/gate/up`` column-parallel, ``o_proj`` and
+``down_proj`` row-parallel through ``Backend.row_linear``), experts over the EP group. With
+``ModelParallel()`` (the default) every group is ``SINGLE`` and nothing is sharded — but the
+row-parallel linears still reduce in the canonical chunk order, so every degree gives the same bits.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
+from onpolicy.kernels.backend import ShardGroup
 from onpolicy.kernels.reference.moe import dispatch
+from onpolicy.parallel.layout import ModelParallel, head_shard
 
 from .config import ModelConfig
 from .context import AttentionContext
@@ -26,34 +35,77 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class RowLinear(Linear):
+    """A row-parallel linear: ``weight [Out, K_local]`` is this rank's slice of the input dim; the
+    output, reduced over ``group`` in the canonical chunk order, is full and replicated."""
+
+    def __init__(self, in_features: int, out_features: int, group: ShardGroup, bias: bool = False) -> None:
+        super().__init__(in_features // group.degree, out_features, bias)
+        self.group = group
+        self._chunk_cache: tuple[tuple[int, int, int], Tensor] | None = None
+
+    def chunked(self, chunks: int) -> Tensor:
+        """``[chunks, Out, K_local / chunks]`` contiguous. Without autograd the copy is cached until
+        the weight changes (the copy is exact either way)."""
+        w = self.weight
+        if w.shape[1] % chunks:
+            raise ValueError(f"{chunks} reduction chunks do not divide the input dim {w.shape[1]}")
+
+        def split(t: Tensor) -> Tensor:
+            return t.view(t.shape[0], chunks, t.shape[1] // chunks).transpose(0, 1).contiguous()
+
+        if torch.is_grad_enabled() and w.requires_grad:
+            return split(w)
+        key = (w.data_ptr(), w._version, chunks)
+        if self._chunk_cache is None or self._chunk_cache[0] != key:
+            self._chunk_cache = (key, split(w.detach()))
+        return self._chunk_cache[1]
+
+    def forward(self, x: Tensor, ops: Backend) -> Tensor:
+        y = ops.row_linear(x, self, self.group)
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm. ``shared`` names the group over which a replicated weight is applied to sharded rows
+    (the per-head q/k norms under TP): its gradient is then summed over that group."""
+
+    def __init__(self, dim: int, eps: float, shared: ShardGroup | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.shared = shared
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
-        return ops.rmsnorm(x, self.weight, self.eps)
+        w = self.weight if self.shared is None else self.shared.enter(self.weight)
+        return ops.rmsnorm(x, w, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: ModelParallel) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.layer, self.tp = layer, par.tp
+        heads = head_shard(cfg, par.tp.degree, par.tp.index)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, cfg.attention_bias)
+        # More TP ranks than KV heads: k/v_proj stay whole (replicated) and a rank projects its one
+        # KV head through a row slice of the weight, whose gradient is summed over the TP group.
+        kv_rows = (cfg.num_kv_heads if par.tp.degree > cfg.num_kv_heads else self.num_kv_heads) * cfg.head_dim
+        self.kv_slice = (slice(heads.kv_start * cfg.head_dim, (heads.kv_start + 1) * cfg.head_dim)
+                         if par.tp.degree > cfg.num_kv_heads else None)
+        self.k_proj = Linear(cfg.hidden_size, kv_rows, cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_rows, cfg.attention_bias)
+        self.o_proj = RowLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, par.tp, cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, par.tp) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, par.tp) if cfg.qk_norm else None
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor:
         n = x.shape[0]
+        x = self.tp.enter(x)
         q = self.q_proj(x, ops).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x, ops).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, ops).view(n, self.num_kv_heads, self.head_dim)
+        k = self._kv(self.k_proj, x, ops).view(n, self.num_kv_heads, self.head_dim)
+        v = self._kv(self.v_proj, x, ops).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
@@ -61,42 +113,73 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim), ops)
 
 
+    def _kv(self, proj: Linear, x: Tensor, ops: Backend) -> Tensor:
+        if self.kv_slice is None:
+            return proj(x, ops)
+        y = ops.linear(x, self.tp.enter(proj.weight)[self.kv_slice])
+        return y if proj.bias is None else y + self.tp.enter(proj.bias)[self.kv_slice]
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    """SwiGLU MLP. With a ``tp`` group it is tensor-parallel (``down_proj`` row-parallel, canonical
+    reduction even at degree 1); without one (MoE experts, which are not TP-sharded) it is plain."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: ShardGroup | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate)
-        self.up_proj = Linear(hidden, intermediate)
-        self.down_proj = Linear(intermediate, hidden)
+        self.tp = tp
+        local = intermediate // tp.degree if tp is not None else intermediate
+        self.gate_proj = Linear(hidden, local)
+        self.up_proj = Linear(hidden, local)
+        self.down_proj = Linear(intermediate, hidden) if tp is None else RowLinear(intermediate, hidden, tp)
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
+        if self.tp is not None:
+            x = self.tp.enter(x)
         return self.down_proj(ops.swiglu(self.gate_proj(x, ops), self.up_proj(x, ops)), ops)
 
 
 class SparseMoE(nn.Module):
-    """Router (fp32 logits) -> top-k -> experts as Linear on gathered rows -> rank-ordered combine."""
+    """Router (fp32 logits) -> top-k -> experts as Linear on gathered rows -> rank-ordered combine.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    Under expert parallelism a rank holds experts ``[index * E/ep, (index + 1) * E/ep)`` (keyed by
+    their global id, so parameter names do not change) and fills the ``[N, k, H]`` slots routed to
+    them; the slots of all EP shards are gathered and each slot is taken from the shard owning its
+    expert (pure indexing, no floating-point sum), then combined in top-k rank order as usual."""
+
+    def __init__(self, cfg: ModelConfig, ep: ShardGroup) -> None:
         super().__init__()
         self.top_k, self.normalize, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+        self.ep = ep
+        self.per_shard = cfg.num_experts // ep.degree
+        first = ep.index * self.per_shard
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleDict({str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                      for e in range(first, first + self.per_shard)})
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
         router_logits = ops.linear(x.float(), self.gate.weight.float())
         routing = ops.moe_route(router_logits, self.top_k, self.normalize)
+        xin = self.ep.enter(x)
         out = x.new_zeros((x.shape[0], self.top_k, x.shape[1]))
         for e, rows, ranks in dispatch(routing, self.num_experts):
-            out[rows, ranks] = self.experts[e](x[rows], ops)
+            if str(e) in self.experts:
+                out[rows, ranks] = self.experts[str(e)](xin[rows], ops)
+        if self.ep.degree > 1:
+            slots = self.ep.gather(out[None])  # [ep, N, k, H]
+            owner = routing.experts // self.per_shard
+            n, k = routing.experts.shape
+            out = slots[owner, torch.arange(n, device=x.device)[:, None], torch.arange(k, device=x.device)[None, :]]
         return ops.moe_combine(out, routing)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: ModelParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (SparseMoE(cfg, par.ep) if cfg.is_moe_layer(layer)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, par.tp))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, ctx, ops)

@@ -55,7 +55,7 @@ class RolloutEngine:
             raise ValueError(f"page_size {page} must be a multiple of the KV tile {kv_tile}")
         cfg = lm.config
         num_pages = max(1, self.config.kv_cache_tokens // page)
-        self.cache = KVCache(cfg.num_layers, num_pages, page, cfg.num_kv_heads, cfg.head_dim, lm.model.dtype,
+        self.cache = KVCache(cfg.num_layers, num_pages, page, lm.model.num_local_kv_heads, cfg.head_dim, lm.model.dtype,
                              lm.model.device)
         self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens)
@@ -98,6 +98,14 @@ class RolloutEngine:
             ids.append(seq.seq_id)
             self._next_id += 1
         return ids
+
+    def abort(self, seq_ids: Iterable[int]) -> int:
+        """Drop the unfinished sequences among ``seq_ids`` (a cancelled request), freeing their KV
+        pages; finished or unknown ids are ignored. Returns how many were dropped."""
+        dropped = [self._seqs.pop(i) for i in seq_ids if i in self._seqs]
+        for seq in dropped:
+            self.scheduler.abort(seq)
+        return len(dropped)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -126,6 +126,7 @@ CHANGES = {
     "backend": "fast",
     "row_tile": 16,
     "kv_tile": 32,
+    "reduce_chunks": 8,
     "compute_dtype": "bf16",
     "contract_version": CONTRACT_VERSION + 1,
 }
