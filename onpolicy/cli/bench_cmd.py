@@ -26,8 +26,14 @@ _SUITE_HELP = {
     "all": "every suite above, sharing measurements",
 }
 
+def _load(benches: argparse._SubParsersAction) -> None:
+    from onpolicy.bench.load import add_parser as add
+
+    add(benches)
+
+
 #: ``add_parser(benches)`` of the benchmarks that live in their own modules.
-_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = []
+_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_load]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -100,3 +100,11 @@ class Scheduler:
         seq.finish_reason = reason
         self.running.remove(seq)
         self.blocks.release(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished ``seq`` (waiting or running), freeing its KV pages."""
+        if seq.status is Status.RUNNING:
+            self.finish(seq, "abort")
+        else:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"

@@ -3,7 +3,11 @@ validate -> domain types -> engine worker -> proto).
 
 * ``Generate`` streams every completion as soon as it finishes (``prompt_index`` is the index in
   the request); concurrent calls share the engine's running batch through the ``EngineWorker``.
-  A call whose client goes away (cancel, deadline) stops streaming at once.
+  A call whose client goes away (cancel, deadline) stops streaming at once and its unfinished
+  sequences are aborted in the engine. Admission control (``AdmissionGate``): calls are admitted
+  while the token positions they may occupy fit ``max_inflight_tokens`` (default: twice the KV
+  cache), queue up to ``max_queued_requests`` (default 8, below the server's 16 handler threads)
+  beyond that, and are answered RESOURCE_EXHAUSTED when the queue is full.
 * ``UpdateWeights`` verifies the weight file (checksum, kernel fingerprint) before touching the
   model, then swaps the weights between two engine steps once in-flight requests have finished.
   Refusals keep the old weights: INVALID_ARGUMENT naming ``weights.sha256`` /
@@ -23,13 +27,14 @@ import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
-from onpolicy.rollout import RolloutEngine
+from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc
 from onpolicy.services.common.convert import completion_to_proto, kernel_config_to_proto, weights_ref_from_proto
 from onpolicy.services.common.errors import InvalidArgument, Unavailable
 from onpolicy.services.common.weights import load_weight_version
 
 from . import requests
+from .admission import AdmissionGate
 from .worker import EngineWorker, WorkerStopped
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -39,7 +44,8 @@ POLL_SECONDS = 0.05
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, engine: RolloutEngine, *, weights_fingerprint: str | None = None,
-                 max_sequences_per_request: int = 4096) -> None:
+                 max_sequences_per_request: int = 4096, max_inflight_tokens: int | None = None,
+                 max_queued_requests: int = 8) -> None:
         self.lm: LoadedModel = engine.lm
         self.engine = engine
         # An external engine (onpolicy.rollout.external) runs the operator set it names, not its CPU mirror's.
@@ -48,6 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """Kernel fingerprint a weight version must carry (this service's own unless configured)."""
         self.max_sequences = max_sequences_per_request
         self.worker = EngineWorker(engine)
+        self.admission = AdmissionGate(max_inflight_tokens or 2 * engine.capacity_tokens, max_queued_requests)
         self._info_lock = threading.Lock()
         self._weight_sha256 = self.lm.weights_sha256
         self._weight_version = engine.weight_version
@@ -64,13 +71,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         params = requests.sampling_params(request.params, self.lm.config.vocab_size)
         prompts = requests.prompt_ids(request.prompts, self.lm, self.engine, params)
         requests.check_size(len(prompts), params, self.max_sequences)
+        cost = params.n * sum(len(p) + params.max_new_tokens for p in prompts)
+        if not self.admission.acquire(cost, context.is_active):
+            return
+        try:
+            yield from self._generate(prompts, params, context)
+        finally:
+            self.admission.release(cost)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, context: grpc.ServicerContext,
+                  ) -> Iterator[rollout_pb2.GenerateResponse]:
         try:
             ticket = self.worker.submit(prompts, params)
         except WorkerStopped as e:
             raise Unavailable(str(e)) from None
         decode = self.lm.tokenizer.decode if self.lm.tokenizer is not None else None
+        sent = 0
         try:
-            sent = 0
             while sent < ticket.expected:
                 if not context.is_active():
                     return
@@ -86,7 +103,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 text = decode(list(c.token_ids)) if decode else ""
                 yield rollout_pb2.GenerateResponse(completion=completion_to_proto(c, text))
         finally:
-            ticket.cancel()
+            if sent < ticket.expected:
+                self.worker.cancel(ticket)
 
     def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.ServicerContext,
                       ) -> rollout_pb2.UpdateWeightsResponse:

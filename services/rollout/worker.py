@@ -5,8 +5,9 @@ the worker through its inbox: ``submit`` queues a batch of prompts and returns a
 completions arrive as they finish, so concurrent Generate calls share the running batch (results
 do not depend on the batch: the invariance rule); ``update_weights`` waits until the requests
 already admitted have finished, swaps the weights between two steps, and only then admits what
-was queued behind it. A cancelled ticket's sequences run to the end and are discarded (the engine
-has no abort).
+was queued behind it. A cancelled ticket (its client went away) is aborted between two steps: its
+unfinished sequences leave the engine and free their KV pages (``RolloutEngine.abort``), and a
+ticket cancelled before it was admitted never enters the engine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Ticket:
         self.expected = expected
         self._queue: queue.Queue[Completion | BaseException] = queue.Queue()
         self.cancelled = threading.Event()
+        self.seq_ids: list[int] = []
+        """Engine sequence ids of the ticket (engine thread only)."""
+        self.prompt_indices: list[int] = []
+        """Engine-wide prompt indices of the ticket (engine thread only)."""
 
     def get(self, timeout: float) -> Completion | None:
         """The next completion, or None after ``timeout`` seconds; raises what failed the batch."""
@@ -47,9 +52,6 @@ class Ticket:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
     def _put(self, item: Completion | BaseException) -> None:
         if not self.cancelled.is_set():
@@ -91,6 +93,9 @@ class EngineWorker:
         self._owners: dict[int, _Owner] = {}
         """Engine-wide prompt index (unique per admitted prompt) -> where its completions go."""
         self._prompt_ids = itertools.count()
+        self._aborts: queue.Queue[Ticket] = queue.Queue()
+        self.aborted_sequences = 0
+        """Sequences dropped from the engine because their request was cancelled."""
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
@@ -101,6 +106,13 @@ class EngineWorker:
         ticket = Ticket(len(prompts) * params.n)
         self._inbox.put(_Submit(prompts, params, ticket))
         return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The ticket's client went away: deliver nothing more and abort its unfinished sequences
+        (between two engine steps)."""
+        if not ticket.cancelled.is_set():
+            ticket.cancelled.set()
+            self._aborts.put(ticket)
 
     def call_idle(self, fn: Callable[[RolloutEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps with nothing in flight; returns its
@@ -132,6 +144,7 @@ class EngineWorker:
         held: _Call | None = None
         try:
             while True:
+                self._abort_cancelled()
                 while held is None:  # admit queued work until a call needs the engine idle
                     try:
                         cmd = self._inbox.get(block=not engine.has_unfinished())
@@ -159,7 +172,19 @@ class EngineWorker:
         finally:
             self._fail_all(held)
 
+    def _abort_cancelled(self) -> None:
+        while True:
+            try:
+                ticket = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            self.aborted_sequences += self.engine.abort(ticket.seq_ids)
+            for index in ticket.prompt_indices:
+                self._owners.pop(index, None)
+
     def _admit(self, cmd: _Submit) -> None:
+        if cmd.ticket.cancelled.is_set():
+            return
         try:
             for p in cmd.prompts:  # all or nothing: no prompt of a bad batch enters the engine
                 self.engine.validate(p, cmd.params)
@@ -169,7 +194,8 @@ class EngineWorker:
         for local, prompt in enumerate(cmd.prompts):
             index = next(self._prompt_ids)
             self._owners[index] = _Owner(cmd.ticket, local, cmd.params.n)
-            self.engine.add_request(prompt, cmd.params, prompt_index=index)
+            cmd.ticket.prompt_indices.append(index)
+            cmd.ticket.seq_ids += self.engine.add_request(prompt, cmd.params, prompt_index=index)
 
     def _step(self) -> None:
         for c in self.engine.step():
