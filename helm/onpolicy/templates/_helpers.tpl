@@ -115,6 +115,9 @@ data:
 {{- $g := .group -}}
 {{- $npus := int (default 0 $g.npus) -}}
 {{- $image := ternary $root.Values.npuImage $root.Values.image (and (gt $npus 0) (ne $root.Values.npuImage.repository "")) -}}
+{{- if and (gt $npus 0) $root.Values.vllmAscend.enabled -}}
+{{- $image = $root.Values.vllmAscend.image -}}
+{{- end -}}
 metadata:
   labels:
     {{- include "onpolicy.labels" $root | nindent 4 }}
