@@ -5,10 +5,13 @@ final weights equal those of an uninterrupted run with the same seeds (torch.equ
 sha256 — of the tensors: the file's own bytes differ between processes, because safetensors writes
 its metadata map in hash order).
 
-Real local Ray, real gRPC on loopback, tiny-qwen3."""
+Real local Ray, real gRPC on loopback, tiny-qwen3. The runs carry a bearer token; the last test checks
+that it never appears in any log record of this process (captured at DEBUG from the first run on),
+in the Ray session's logs (every actor's stdout/stderr), or in the controller's state files."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from onpolicy.models.checkpoint import weights_sha256
 from onpolicy.services.jobs.records import JobState
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "resume-test-token"
+TOKEN = "resume-test-token-5f1c9a7e"
 STEPS = 4
 
 
@@ -33,8 +36,28 @@ def spec():
     return parse_spec(raw)
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(logging.Formatter().format(record))  # message, args and traceback
+
+
 @pytest.fixture(scope="module")
-def ray_cluster():
+def logs():
+    root, handler = logging.getLogger(), _Records()
+    level = root.level
+    root.setLevel(logging.DEBUG)
+    root.addHandler(handler)
+    yield handler.texts
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(logs):
     from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
 
     init_ray()
@@ -75,7 +98,7 @@ def baseline(ray_cluster, tmp_path_factory):
     assert rec.state is JobState.SUCCEEDED, rec.error
     events = step_events(ctl, job_id)
     ctl.shutdown()
-    return final_weights(state, job_id), events
+    return final_weights(state, job_id), events, state
 
 
 def assert_same_run(got: tuple[dict[str, torch.Tensor], str], want: tuple[dict[str, torch.Tensor], str]) -> None:
@@ -133,3 +156,18 @@ def test_restarted_controller_resumes_from_the_last_checkpoint_bitwise(ray_clust
     assert_every_step_once_logdiff_zero(steps, baseline[1])
     assert_same_run(final_weights(tmp_path, job_id), baseline[0])
     second.shutdown()
+
+
+def test_the_token_is_never_logged_nor_stored(ray_cluster, baseline, logs) -> None:
+    import ray
+
+    assert logs, "no log records were captured"
+    assert not [t for t in logs if TOKEN in t]
+    ray_logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    scanned = 0
+    for root in (ray_logs, baseline[2]):
+        for f in root.rglob("*"):
+            if f.is_file():
+                scanned += 1
+                assert TOKEN.encode() not in f.read_bytes(), f
+    assert scanned > 10
