@@ -17,7 +17,7 @@ from onpolicy.trainer.config import LossConfig, OptimizerConfig, StepStats, Trai
 from onpolicy.trainer.data_parallel import DataParallelEngine
 
 MODEL = "tiny-qwen3"
-# pack_tokens 24: each minibatch is cut into 3-5 canonical units, so ranks own uneven subtrees
+# pack_tokens 24: minibatches of 5, 2 and 3 canonical units, so the two ranks own uneven subtrees
 TRAINER = TrainerConfig(pack_tokens=24, seed=7)
 OPT = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 # step 1: one minibatch, token-mean; step 2: two minibatches, seq-mean, a KL penalty, 2 epochs
@@ -62,3 +62,13 @@ def test_two_ranks_equal_one_worker_and_repeat(ray_cluster: None, batches: list[
     assert not _equal(dp1[0], load_tiny(MODEL).model.state_dict())  # the weights did move
     again, _ = _train(2, load_tiny(MODEL, fresh=True), batches)  # same seeds, same batches: same weights
     assert _equal(again[0], dp2[0]) and _equal(again[1], dp2[1])
+
+
+def test_fast_kernels_are_data_parallel_invariant_too(ray_cluster: None, batches: list[list[TrainSample]],
+                                                      load_tiny: Callable[..., LoadedModel]) -> None:
+    """The fast backend is not batch-invariant, but DP never changes a unit's batch: each rank runs the
+    same units (same shapes, same thread count) one worker runs, and the fold is the same tree. (What the
+    fast mode does change is the rollout-vs-trainer logprobs: ``old_logprob_max_abs_diff`` > 0 here.)"""
+    dp2, _ = _train(2, load_tiny(MODEL, backend="fast", fresh=True), batches)
+    dp1, _ = _train(1, load_tiny(MODEL, backend="fast", fresh=True), batches)
+    assert _equal(dp2[0], dp2[1]) and _equal(dp2[0], dp1[0])
