@@ -270,6 +270,10 @@ def test_vllm_attention_equals_the_training_path_bitwise(backend) -> None:
         train = backend.attention(qs[s], ContiguousKV(ks[s], vs[s], torch.tensor([0, length])), batch, 0.25)
         assert torch.equal(out[row:row + q_lens[s]], train[length - q_lens[s]:]), f"sequence {s}"
         row += q_lens[s]
+    # a vLLM that stores K/V in its own op first: attention only reads the (now filled) cache
+    again = vllm_paged_attention(backend, query, None, None, k_cache, v_cache, slots, qsl, torch.tensor(lengths),
+                                 table, 0.25, n)
+    assert torch.equal(again, out)
 
 
 def test_matmul_overrides_are_our_linear_and_batch_invariant(backend) -> None:

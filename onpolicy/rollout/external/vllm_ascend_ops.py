@@ -80,15 +80,17 @@ def attention_batch(query_start_loc: Sequence[int], seq_lens: Sequence[int], dev
     return AttentionBatch.build(q_lens, q_starts, kv_lens, device=device), kept
 
 
-def vllm_paged_attention(backend: Backend, query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
+def vllm_paged_attention(backend: Backend, query: Tensor, key: Tensor | None, value: Tensor | None, key_cache: Tensor,
                          value_cache: Tensor, slot_mapping: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
                          block_table: Tensor, scale: float, num_tokens: int) -> Tensor:
     """One vLLM attention call on our operators: write the new K/V rows into vLLM's cache, then
     attend over it with ``backend.attention``. ``query`` ``[>= num_tokens, Hq, D]`` (rows packed per
     request as ``query_start_loc`` says), ``key``/``value`` ``[>= num_tokens, Hkv, D]``, caches
-    ``[P, page, Hkv, D]``, ``block_table`` ``[S, max_pages]``; returns ``[num_tokens, Hq, D]``."""
+    ``[P, page, Hkv, D]``, ``block_table`` ``[S, max_pages]``; returns ``[num_tokens, Hq, D]``. With
+    ``key``/``value`` None (a vLLM that stores K/V in a separate op) the cache is only read."""
     n = num_tokens
-    write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n])
+    if key is not None and value is not None:
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping[:n])
     batch, kept = attention_batch(query_start_loc.tolist(), seq_lens.tolist(), query.device)
     if batch.num_rows != n:
         raise ValueError(f"query_start_loc covers {batch.num_rows} rows, the call has {n}")
@@ -110,9 +112,10 @@ def _attention_forward(backend: Backend, impl: Any, layer: Any, query: Tensor, k
     table = getattr(attn_metadata, "block_tables", None)
     if table is None:
         table = attn_metadata.block_table
-    out = vllm_paged_attention(backend, q, key.reshape(-1, kv_heads, dim), value.reshape(-1, kv_heads, dim),
-                               kv_cache[0], kv_cache[1], attn_metadata.slot_mapping, attn_metadata.query_start_loc,
-                               attn_metadata.seq_lens, table, float(impl.scale), n)
+    k = None if key is None else key.reshape(-1, kv_heads, dim)
+    v = None if value is None else value.reshape(-1, kv_heads, dim)
+    out = vllm_paged_attention(backend, q, k, v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping,
+                               attn_metadata.query_start_loc, attn_metadata.seq_lens, table, float(impl.scale), n)
     output.view(-1, heads * dim)[:n] = out.reshape(n, heads * dim).to(output.dtype)
     return output
 
@@ -138,7 +141,7 @@ def silu_and_mul_forward(backend: Backend, x: Tensor) -> Tensor:
 
 
 def rope_forward(backend: Backend, cos_table: Tensor, sin_table: Tensor, head_size: int, positions: Tensor,
-                 query: Tensor, key: Tensor | None = None, *args: Any) -> tuple[Tensor, Tensor | None]:
+                 query: Tensor, key: Tensor | None = None, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """vLLM's ``RotaryEmbedding.forward`` (neox style, full rotary dim) on our one fp32 table."""
     pos = positions.reshape(-1).to(torch.int64)
     cos, sin = cos_table[pos], sin_table[pos]
@@ -281,6 +284,10 @@ class OnpolicyWorkerExtension:
         from onpolicy.kernels import get_backend
 
         ops = get_backend(KernelConfig(backend=backend, compute_dtype=compute_dtype, kv_tile=kv_tile))  # type: ignore[arg-type]
+        provider = str(getattr(ops, "provider", ""))
+        if provider != "onpolicy":
+            raise RuntimeError(f"the vllm-ascend engine runs the onpolicy Ascend operators (torch.ops.onpolicy); "
+                               f"backend {backend!r} has provider {provider!r}")
         counts = install(_worker_model(self), ops)
         return {**counts, "batch_invariant": bool(vllm_is_batch_invariant()), "fingerprint": ops.fingerprint}
 
