@@ -117,11 +117,16 @@ class Backend(ABC):
         and sums the ranks' outputs with a plain all-reduce (bits depend on the degree)."""
         if not self.config.consistent:
             return group.all_reduce(self.linear(x, weight.weight))
-        chunks = self.config.reduce_chunks // group.degree
-        w = weight.chunked(chunks)
-        kc = w.shape[2]
-        partials = torch.stack([self.linear(x[:, i * kc:(i + 1) * kc].contiguous(), w[i]) for i in range(chunks)])
+        partials = self.chunk_partials(x, weight.chunked(self.config.reduce_chunks // group.degree))
         return fold_chunks(group.gather(partials)).to(x.dtype)
+
+    def chunk_partials(self, x: Tensor, chunks: Tensor) -> Tensor:
+        """``[C, N, Out]``: partial ``i`` is ``x[:, i*Kc:(i+1)*Kc] @ chunks[i].T`` for ``chunks [C, Out, Kc]``.
+        A partial's bits must not depend on C (certified by the selftest's row-parallel probe); this
+        default is one ``linear`` call per chunk on contiguous operands."""
+        kc = chunks.shape[2]
+        return torch.stack([self.linear(x[:, i * kc:(i + 1) * kc].contiguous(), chunks[i])
+                            for i in range(chunks.shape[0])])
 
     @abstractmethod
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

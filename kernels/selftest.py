@@ -353,7 +353,9 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
     for lname, (k_in, k_out) in linears.items():
         w = rnd(k_out, k_in) * 0.05
         add(_rows_probe(f"linear/{lname}[{k_in}x{k_out}]", lambda a, w=w: ops.linear(a, w), rnd(rows, k_in), gen))
-        if lname in ("o_proj", "down"):
+        if lname in ("o_proj", "down") and k_in % ops.config.reduce_chunks == 0:
+            add(_rows_probe(f"row-linear/{lname}[{k_in}x{k_out}]",
+                            lambda a, w=w: ops.row_linear(a, _ChunkedWeight(w)), rnd(rows, k_in), gen))
             add(_row_parallel_probe(ops, f"{lname}[{k_in}x{k_out}]", w, rnd(13, k_in)))
     columns = {"q": (s.num_heads * s.head_dim, s.num_heads), "kv": (s.num_kv_heads * s.head_dim, s.num_kv_heads),
                "gate-up": (s.intermediate, s.intermediate)}

@@ -9,7 +9,7 @@ from ..backend import Backend, MoERouting
 from ..kv import AttentionBatch, KVSource
 from . import elementwise, moe
 from .attention import attention
-from .linear import tiled_linear
+from .linear import chunked_bmm, tiled_linear
 
 
 class ReferenceBackend(Backend):
@@ -17,6 +17,9 @@ class ReferenceBackend(Backend):
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return tiled_linear(x, weight, self.config.row_tile)
+
+    def chunk_partials(self, x: Tensor, chunks: Tensor) -> Tensor:
+        return chunked_bmm(x, chunks, self.config.row_tile)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return elementwise.rmsnorm(x, weight, eps)

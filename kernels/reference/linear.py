@@ -8,6 +8,7 @@ invariance (a TP rank computing 8 of 32 columns). The selftest's column-parallel
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -30,3 +31,14 @@ def tiled_linear(x: Tensor, weight: Tensor, tile: int) -> Tensor:
     if out < MIN_COLUMNS:
         return F.linear(pad_rows(x, tile), pad_rows(weight, MIN_COLUMNS))[:n, :out]
     return F.linear(pad_rows(x, tile), weight)[:n]
+
+
+def chunked_bmm(x: Tensor, chunks: Tensor, tile: int) -> Tensor:
+    """Row-parallel chunk partials ``[C, N, Out]`` as one batched GEMM: ``x [N, C*Kc]`` is padded to
+    the row tile and laid out chunk-major (contiguous, so the layout is the same whatever C is),
+    ``chunks [C, Out, Kc]``. That a partial's bits do not depend on C is certified by the selftest."""
+    c, _, kc = chunks.shape
+    n = x.shape[0]
+    xp = pad_rows(x, tile)
+    xc = xp.view(xp.shape[0], c, kc).transpose(0, 1).contiguous()
+    return torch.bmm(xc, chunks.transpose(1, 2))[:, :n]
