@@ -26,6 +26,12 @@ _SUITE_HELP = {
     "all": "every suite above, sharing measurements",
 }
 
+def _reductions(benches: argparse._SubParsersAction) -> None:
+    from onpolicy.bench.reductions import add_parser as add
+
+    add(benches)
+
+
 def _load(benches: argparse._SubParsersAction) -> None:
     from onpolicy.bench.load import add_parser as add
 
@@ -33,7 +39,7 @@ def _load(benches: argparse._SubParsersAction) -> None:
 
 
 #: ``add_parser(benches)`` of the benchmarks that live in their own modules.
-_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_load]
+_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_reductions, _load]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
