@@ -110,12 +110,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def RestoreCheckpoint(self, request: trainer_pb2.RestoreCheckpointRequest, context: grpc.ServicerContext,
                           ) -> trainer_pb2.RestoreCheckpointResponse:
         directory = requests.directory(request.directory)
-        if not any((Path(directory) / name).is_file() for name in (LATEST, MANIFEST)):
-            raise NotFound(f"directory: no checkpoint under {directory}")
         try:
+            if not any((Path(directory) / name).is_file() for name in (LATEST, MANIFEST)):
+                raise NotFound(f"directory: no checkpoint under {directory}")
             state = load_checkpoint(directory)  # verified before the engine is touched
         except CheckpointError as e:
             raise FailedPrecondition(str(e)) from None
+        except OSError as e:
+            raise FailedPrecondition(f"cannot read a checkpoint under {directory}: {e.strerror or e}") from None
         with self._lock:
             try:
                 self.engine.restore(state)
