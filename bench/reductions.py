@@ -9,8 +9,9 @@ Two measurements, both as calls per second of one row-parallel linear (``o_proj`
 - **TP=2, two local processes (gloo over loopback)**: canonical (chunk partials all-gathered, folded
   on every rank) against the fast backend's plain all-reduce of one local GEMM.
 
-Rows: 8 (a decode step, the row tile), 64 and 512 (prefill / training packs). CPU timings on a
-shared machine are noisy; the ratios are the point.
+Rows: 8 (a decode step, the row tile), 64 and 512 (prefill / training packs). The variants are
+timed interleaved, call by call, and the median is reported, so a shared machine's changing load
+hits them alike; the ratios are the point.
 """
 
 from __future__ import annotations
@@ -61,10 +62,20 @@ class _Weight:
         return self._chunks[chunks]
 
 
-def _time(fn: Any, repeats: int) -> float:
-    from onpolicy.bench.common import median_time
+def _times(fns: list[Any], repeats: int) -> list[float]:
+    """Median seconds per call of each function, the calls interleaved round by round so that a
+    change of load on a shared machine hits every function alike."""
+    import statistics
 
-    return median_time(fn, repeats, warmup=3)
+    for fn in fns:
+        fn()
+    rounds: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, rounds, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in rounds]
 
 
 def _tp1(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> list[tuple[str, float, float, str]]:
@@ -80,9 +91,9 @@ def _tp1(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> l
         w = _Weight(torch.randn(o, k, generator=gen) * 0.05)
         for n in rows:
             x = torch.randn(n, k, generator=gen)
-            canon = _time(lambda x=x, w=w: ref.row_linear(x, w), repeats)
-            plain = _time(lambda x=x, w=w: tiled_linear(x, w.weight, ref.config.row_tile), repeats)
-            flin = _time(lambda x=x, w=w: fast.row_linear(x, w), repeats)
+            canon, plain, flin = _times([lambda x=x, w=w: ref.row_linear(x, w),
+                                         lambda x=x, w=w: tiled_linear(x, w.weight, ref.config.row_tile),
+                                         lambda x=x, w=w: fast.row_linear(x, w)], repeats)
             out.append((f"tp1 {name} [{n}x{k}]->{o} canonical vs row-tiled GEMM", 1 / canon, 1 / plain, "calls/s"))
             out.append((f"tp1 {name} [{n}x{k}]->{o} canonical vs fast F.linear", 1 / canon, 1 / flin, "calls/s"))
     return out
@@ -105,8 +116,8 @@ def _tp2_worker(rank: int, world: int, shapes: dict[str, tuple[int, int]], rows:
             shard = _Weight(w[:, rank * k // world:(rank + 1) * k // world].contiguous())
             for n in rows:
                 x = torch.randn(n, k // world, generator=gen)
-                canon = _time(lambda x=x, s=shard: ref.row_linear(x, s, group), repeats)
-                plain = _time(lambda x=x, s=shard: fast.row_linear(x, s, group), repeats)
+                canon, plain = _times([lambda x=x, s=shard: ref.row_linear(x, s, group),
+                                       lambda x=x, s=shard: fast.row_linear(x, s, group)], repeats)
                 out.append((f"tp2 {name} [{n}x{k}]->{o} canonical gather+fold vs plain all-reduce", 1 / canon,
                             1 / plain, "calls/s"))
     return out

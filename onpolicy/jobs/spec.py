@@ -169,7 +169,16 @@ class JobSpec(_Strict):
         return v
 
     # An external rollout engine runs our Ascend operators: the trainer and verifier must run the
-    # same operator set, and the rollout needs an NPU.
+    # same operator set, and the rollout needs an NPU; vLLM loads HF directories, not GGUF files.
+    @field_validator("rollout")
+    @classmethod
+    def _hf_model_for_external_engine(cls, v: RolloutSpec, info: ValidationInfo) -> RolloutSpec:
+        model = str(info.data.get("model", ""))
+        if v.engine == "vllm-ascend" and (model == "smollm2" or model.endswith(".gguf")):
+            raise ValueError(f"engine vllm-ascend loads HF directories (config.json + safetensors); model {model!r} "
+                             "is a GGUF file")
+        return v
+
     @field_validator("kernels")
     @classmethod
     def _ascend_for_external_engine(cls, v: KernelSpec, info: ValidationInfo) -> KernelSpec:

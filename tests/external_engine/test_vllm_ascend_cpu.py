@@ -45,7 +45,7 @@ unavailable_here = pytest.mark.skipif(missing_modules() != list(REQUIRED_MODULES
                                       reason="vllm-ascend is installed here: the unavailability paths do not apply")
 
 NPU_ONLY = ("vllm", "vllm_ascend", "torch_npu")
-VLLM_SPEC = {"rollout": {"engine": "vllm-ascend"}, "kernels": {"backend": "ascend"},
+VLLM_SPEC = {"model": "tiny-llama", "rollout": {"engine": "vllm-ascend"}, "kernels": {"backend": "ascend"},
              "resources": {"rollout": {"npus": 1}}}
 
 
@@ -85,7 +85,9 @@ def test_spec_engine_defaults_to_ours_and_accepts_vllm_ascend_on_npus() -> None:
 
 @pytest.mark.parametrize(("data", "fields"), [
     ({"rollout": {"engine": "vllm"}}, ["rollout.engine"]),
-    ({"rollout": {"engine": "vllm-ascend"}}, ["kernels", "resources"]),
+    ({"rollout": {"engine": "vllm-ascend"}}, ["rollout"]),  # the default model smollm2 is GGUF
+    ({**VLLM_SPEC, "kernels": {}, "resources": {}}, ["kernels", "resources"]),
+    ({**VLLM_SPEC, "model": "/models/x.gguf"}, ["rollout"]),
     ({**VLLM_SPEC, "kernels": {"backend": "reference"}}, ["kernels"]),
     ({**VLLM_SPEC, "resources": {"rollout": {"npus": 0}}}, ["resources"]),
     ({**VLLM_SPEC, "rollout": {"engine": "vllm-ascend", "kernels": "fast"}}, ["rollout"]),

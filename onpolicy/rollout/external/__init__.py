@@ -40,8 +40,9 @@ def build_engine(name: str, model_ref: str, kernel_config: KernelConfig, config:
     check_engine(name)
     if name == OWN_ENGINE:
         raise ValueError("the onpolicy engine is built by the rollout service itself")
-    from .vllm_ascend import VllmAscendEngine, load_mirror
+    from .vllm_ascend import VllmAscendEngine, hf_directory, load_mirror
 
+    hf_directory(model_ref)  # vLLM's format, checked before loading anything
     lm = load_mirror(model_ref, kernel_config)
     if certify is not None:
         certify(kernel_config, lm)
