@@ -4,7 +4,8 @@ Starts a rollout service in this process (real gRPC server, bearer token, the se
 admission control), then ``--clients`` threads each send ``--requests`` Generate calls one after
 another (``--n`` samples of a ``--prompt-len``-token prompt, ``--new-tokens`` generated, EOS
 ignored). Reported: latency p50/p99 of the admitted calls (submit to last completion), throughput
-(completions and generated tokens per second of wall time), calls refused RESOURCE_EXHAUSTED, the
+(completions and generated tokens per second of wall time), calls refused RESOURCE_EXHAUSTED (by
+the gate, or by the server's bound on RPCs held at once, ``--max-concurrent-rpcs``), the
 most token positions in flight and calls queued at the gate (sampled), and the process's peak RSS
 before and after the load (memory stays bounded by the gate, not by the client count). CPU timings
 on a shared machine are noisy; the rejected count and the bounds are the point.
@@ -70,7 +71,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_load(*, model: str = "tiny-qwen3", clients: int = 32, requests: int = 4, prompt_len: int = 16,
              new_tokens: int = 16, n: int = 1, max_inflight_tokens: int | None = None,
-             max_queued_requests: int = 8, max_num_seqs: int = 64, command: str = "") -> LoadResult:
+             max_queued_requests: int = 8, max_num_seqs: int = 64, max_concurrent_rpcs: int | None = 256,
+             command: str = "") -> LoadResult:
     import grpc
 
     from onpolicy.kernels import KernelConfig
@@ -86,7 +88,8 @@ def run_load(*, model: str = "tiny-qwen3", clients: int = 32, requests: int = 4,
         servicer.admission.max_inflight_tokens = max_inflight_tokens
     servicer.admission.max_queued_requests = max_queued_requests
     gate = servicer.admission
-    server = serve_rollout(servicer, ServerConfig(host="127.0.0.1", port=0, token=token))
+    server = serve_rollout(servicer, ServerConfig(host="127.0.0.1", port=0, token=token,
+                                                  max_concurrent_rpcs=max_concurrent_rpcs))
     channel = connect(server.address, token=token)
     rss_before = _rss_mib()  # model, KV cache and server up: what the load adds comes after
     stub = api.rollout_pb2_grpc.RolloutServiceStub(channel)
@@ -157,6 +160,9 @@ def add_parser(benches: argparse._SubParsersAction) -> None:
                    help="admission bound in token positions (default: the service's, twice its KV cache)")
     b.add_argument("--max-queued", type=int, default=8, help="calls queued beyond the bound (default 8)")
     b.add_argument("--max-num-seqs", type=int, default=64, help="engine batch size (default 64)")
+    b.add_argument("--max-concurrent-rpcs", type=int, default=256,
+                   help="RPCs the server holds at once, running or waiting for one of its 16 handler threads "
+                        "(default 256)")
     b.add_argument("--json", action="store_true", help="JSON for machines instead of the table")
     b.set_defaults(func=run)
 
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
     from onpolicy.cli.common import emit_json, fail
 
-    for opt in ("clients", "requests", "prompt_len", "new_tokens", "n", "max_num_seqs"):
+    for opt in ("clients", "requests", "prompt_len", "new_tokens", "n", "max_num_seqs", "max_concurrent_rpcs"):
         if getattr(args, opt) < 1:
             fail(f"--{opt.replace('_', '-')} must be >= 1")
     if args.max_queued < 0 or (args.max_inflight_tokens is not None and args.max_inflight_tokens < 1):
@@ -176,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_load(model=args.model, clients=args.clients, requests=args.requests, prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, n=args.n, max_inflight_tokens=args.max_inflight_tokens,
-                          max_queued_requests=args.max_queued, max_num_seqs=args.max_num_seqs, command=command)
+                          max_queued_requests=args.max_queued, max_num_seqs=args.max_num_seqs,
+                          max_concurrent_rpcs=args.max_concurrent_rpcs, command=command)
     except (FileNotFoundError, ValueError) as e:
         fail(str(e).splitlines()[0])
     if args.json:

@@ -60,6 +60,9 @@ class ServerConfig:
     """How long ``stop`` lets in-flight RPCs finish before cancelling them."""
     max_workers: int = 16
     """Handler threads, i.e. concurrent RPCs (a streaming RPC holds one while it streams)."""
+    max_concurrent_rpcs: int | None = 256
+    """Most RPCs held at once, running or waiting for a handler thread; one more is answered
+    RESOURCE_EXHAUSTED at once, so waiting requests cannot pile up in memory (None = no bound)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -72,6 +75,8 @@ class ServerConfig:
             raise ValueError("mutual TLS (tls_client_ca) needs tls_cert and tls_key")
         if self.max_message_bytes < 1 or self.max_workers < 1 or self.grace_seconds < 0:
             raise ValueError("max_message_bytes and max_workers must be >= 1 and grace_seconds >= 0")
+        if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs must be >= 1 (or None)")
 
     @property
     def tls(self) -> bool:
@@ -98,7 +103,8 @@ class GrpcServer:
             interceptors.append(TokenAuthInterceptor(self.config.token))
         interceptors.append(ErrorInterceptor())
         self._server = grpc.server(ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="grpc"),
-                                   interceptors=interceptors, options=message_options(self.config.max_message_bytes))
+                                   interceptors=interceptors, options=message_options(self.config.max_message_bytes),
+                                   maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._services: dict[str, Any] = {}

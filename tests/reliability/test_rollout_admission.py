@@ -17,6 +17,7 @@ from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
+from onpolicy.services.common.server import ServerConfig
 from onpolicy.services.rollout.service import serve_rollout
 from onpolicy.services.rollout.servicer import RolloutServicer
 
@@ -92,6 +93,31 @@ def test_a_cancelled_call_leaves_the_queue(rollout) -> None:
         hold.set()
         holder.join()
     assert len(list(first)) == 1 and gate.stats.admitted == 1
+
+
+def test_the_server_bounds_the_rpcs_it_holds(load_tiny: Callable[..., LoadedModel]) -> None:
+    engine = RolloutEngine(load_tiny("tiny-qwen3"), EngineConfig(max_num_seqs=8, kv_cache_tokens=4096))
+    servicer = RolloutServicer(engine, max_inflight_tokens=COST, max_queued_requests=8)
+    server = serve_rollout(servicer, ServerConfig(port=0, max_concurrent_rpcs=2))
+    stub = api.rollout_pb2_grpc.RolloutServiceStub(connect(server.address))
+    gate, hold = servicer.admission, threading.Event()
+    holder = threading.Thread(target=servicer.worker.call_idle, args=(lambda _: hold.wait(60),))
+    holder.start()
+    try:
+        first = stub.Generate(request())
+        until(lambda: gate.inflight_tokens == COST, "the first call to be admitted")
+        second = stub.Generate(request())
+        until(lambda: gate.queued == 1, "the second call to queue")
+        with pytest.raises(grpc.RpcError) as e:  # a third RPC is refused before it takes a handler thread
+            list(stub.Generate(request(), timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and gate.stats.rejected == 0
+    finally:
+        hold.set()
+        holder.join()
+    try:
+        assert len(list(first)) == 1 and len(list(second)) == 1
+    finally:
+        server.stop(grace=0)
 
 
 def test_a_cancelled_generate_aborts_its_sequences_in_the_engine(rollout) -> None:
