@@ -23,7 +23,7 @@ from onpolicy.rollout import SamplingParams
 from onpolicy.rollout.external import ENGINES, EngineUnavailable, check_engine
 from onpolicy.rollout.external.vllm_ascend import (
     REQUIRED_MODULES,
-    _Request,
+    SampleRequest,
     completion_from_output,
     missing_modules,
     page_size_for,
@@ -190,7 +190,7 @@ def test_stop_ids_follow_our_engine() -> None:
 
 
 def test_completion_from_output_keeps_fp32_logprobs_and_reasons() -> None:
-    req = _Request(prompt_index=4, sample_index=1, prompt_ids=(1, 2), params=SamplingParams(temperature=0))
+    req = SampleRequest(prompt_index=4, sample_index=1, prompt_ids=(1, 2), params=SamplingParams(temperature=0))
     lp = torch.tensor([-0.1, -2.5, -1e-8], dtype=torch.float32).tolist()
     entries = [{7: SimpleNamespace(logprob=lp[0])},
                {9: SimpleNamespace(logprob=lp[1]), 3: SimpleNamespace(logprob=0.0)},

@@ -121,14 +121,16 @@ def stop_ids(params: SamplingParams, eos_ids: Sequence[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class _Request:
+class SampleRequest:
+    """One sample the engine handed to vLLM as its own request: where its completion belongs."""
+
     prompt_index: int
     sample_index: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
 
 
-def completion_from_output(req: _Request, token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]],
+def completion_from_output(req: SampleRequest, token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]],
                            finish_reason: str | None, weight_version: int) -> Completion:
     """Our ``Completion`` from one finished vLLM sample: ``logprobs[i][token_ids[i]].logprob`` is the
     sampled token's logprob (vLLM's ``Logprob``; values of an fp32 tensor, so exact fp32)."""
@@ -179,7 +181,7 @@ class VllmAscendEngine:
         self.stats = EngineStats()
         self.scheduler = _SchedulerView()
         self.blocks = _BlocksView()
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, SampleRequest] = {}
         self._next_id = 0
         prepare_environment()
         from vllm import LLM
@@ -225,7 +227,7 @@ class VllmAscendEngine:
             self._next_id += 1
             self._engine.add_request(str(rid), {"prompt_token_ids": list(prompt_ids)},
                                      self._vllm_params(prompt_ids, params, i))
-            self._requests[rid] = _Request(prompt_index, i, tuple(prompt_ids), params)
+            self._requests[rid] = SampleRequest(prompt_index, i, tuple(prompt_ids), params)
             self.scheduler.running.append(rid)
             ids.append(rid)
         return ids
