@@ -3,7 +3,9 @@ PPO-clip steps with AdamW, atomic verified checkpoints and versioned weight expo
 
 ``forward`` — ``ScoredSequence``, ``sequence_logprobs``; ``grpo`` — ``group_advantages``,
 ``policy_loss``; ``config`` — ``TrainSample``, ``LossConfig``, ``OptimizerConfig``, ``StepStats``;
-``engine`` — ``TrainerEngine``; ``checkpoint`` — ``save_checkpoint``, ``load_checkpoint``.
+``engine`` — ``TrainerEngine``; ``checkpoint`` — ``save_checkpoint``, ``load_checkpoint``;
+``reduction`` — the canonical gradient tree; ``data_parallel`` — ``DataParallelEngine`` (ranks as Ray
+actors, bitwise one worker's weights).
 """
 
 from .checkpoint import CheckpointError, CheckpointState, load_checkpoint
