@@ -6,7 +6,8 @@ Skipped elsewhere. Until they have passed there, the engine is unverified.
 * the sampled tokens' logprobs equal our trainer's training path (Ascend backend) bit for bit, at
   temperature 1, 0.7 and greedy, and the verifier counts no mismatched token for them;
 * a request's tokens and logprobs do not depend on the batch it ran in;
-* a pushed weight version reaches vLLM (logprobs change, and still equal the trainer's).
+* a pushed weight version reaches vLLM (logprobs change, and still equal the trainer's), also as
+  the loop pushes it: a safetensors version named in UpdateWeights to the rollout service over gRPC.
 """
 
 from __future__ import annotations
@@ -115,3 +116,42 @@ def test_a_weight_version_reaches_vllm(engine, trainer_lm) -> None:
     assert engine.weight_version == 1 and all(c.weight_version == 1 for c in after)
     assert any(a.logprobs != b.logprobs for a, b in zip(after, before, strict=True))
     assert_bitwise(after, trainer_logprobs(trainer_lm, after))
+
+
+def test_a_weight_file_reaches_vllm_through_the_rollout_service(engine, trainer_lm, tmp_path) -> None:
+    """The loop's path: a versioned safetensors file (as the trainer exports it) named in
+    UpdateWeights over gRPC, then Generate — logprobs equal the trainer's on those weights. Last:
+    stopping the server stops the engine's worker thread."""
+    from onpolicy.services import api
+    from onpolicy.services.common.client import connect
+    from onpolicy.services.common.convert import weights_ref_to_proto
+    from onpolicy.services.rollout import RolloutServicer, serve_rollout
+    from onpolicy.weights import export_weights
+
+    gen = torch.Generator().manual_seed(1)
+    state = {k: v.detach().cpu().clone() for k, v in trainer_lm.model.state_dict().items()}
+    for t in state.values():
+        if t.is_floating_point() and t.dim() == 2:
+            t.add_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.02)
+    ref = export_weights(state, tmp_path, 2, CONFIG.fingerprint, MODEL)
+    copy_weights_(trainer_lm.model, state)
+    server = serve_rollout(RolloutServicer(engine, weights_fingerprint=CONFIG.fingerprint))
+    try:
+        with connect(server.address) as channel:
+            stub = api.rollout_pb2_grpc.RolloutServiceStub(channel)
+            done = stub.UpdateWeights(api.rollout_pb2.UpdateWeightsRequest(weights=weights_ref_to_proto(ref)),
+                                      timeout=300)
+            assert done.weight_version == 2
+            info = stub.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(), timeout=60).info
+            assert info.weight_version == 2 and info.kernel_fingerprint == CONFIG.fingerprint
+            request = api.rollout_pb2.GenerateRequest(
+                prompts=[api.rollout_pb2.Prompt(prompt_ids=p) for p in PROMPTS],
+                params=api.rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=4))
+            comps = [r.completion for r in stub.Generate(request, timeout=600)]
+    finally:
+        server.stop(grace=0)
+    assert len(comps) == 2 * len(PROMPTS) and all(c.weight_version == 2 for c in comps)
+    trainer = trainer_logprobs(trainer_lm, [ScoredSequence(tuple(c.prompt_ids), tuple(c.token_ids), c.temperature)
+                                            for c in comps])
+    for c, t in zip(comps, trainer, strict=True):
+        assert torch.equal(torch.tensor(list(c.logprobs), dtype=torch.float32), t)
