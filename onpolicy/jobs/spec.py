@@ -93,9 +93,10 @@ class CheckpointSpec(_Strict):
     dir: str = ""
     """Shared storage for checkpoints and weight versions (default: under the controller's state dir)."""
     interval: int = Field(1, ge=0)
-    """Checkpoint every ``interval`` steps (besides step 0 and the last step; 0 = only those). A job
-    resumed after a lost service or a controller restart continues from its latest checkpoint, so
-    with 1 no completed step is ever redone; with N it redoes up to N - 1 steps (bitwise the same)."""
+    """Checkpoint every ``interval`` steps, besides step 0 and the last step (0 = only those, which a
+    JobSpec message cannot ask for: there 0 means the default). A job resumed after a lost service or
+    a controller restart continues from its latest checkpoint, so with 1 no completed step is ever
+    redone; with N it redoes up to N - 1 steps (bitwise the same)."""
 
 
 class KernelSpec(_Strict):
