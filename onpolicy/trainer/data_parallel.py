@@ -20,9 +20,6 @@ rank 0's count): per-unit kernels are then the same computation on every rank an
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +29,8 @@ from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.parallel.groups import init_loopback
+from onpolicy.parallel.launch import free_port
 
 from .checkpoint import CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
@@ -54,23 +53,15 @@ class ReplicaDivergence(RuntimeError):
     """Data-parallel ranks ended a step with different weights (a broken invariant, never expected)."""
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class GlooExchange:
-    """``GradientExchange`` over the process's default ``torch.distributed`` group: gloo, rendezvous at
-    ``tcp://127.0.0.1:port``, and the gloo device on the loopback interface (``GLOO_SOCKET_IFNAME``)."""
+    """``GradientExchange`` over the process's default ``torch.distributed`` group: gloo on loopback
+    (``onpolicy.parallel.groups.init_loopback``, a timeout on every collective)."""
 
     def __init__(self, rank: int, size: int, port: int, timeout_s: float = 300.0) -> None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if dist.is_initialized():
             raise RuntimeError("this process already has a torch.distributed group; a data-parallel rank needs "
                                "its own process (a DataParallelWorker actor)")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        init_loopback(rank, size, port, timeout_s)
         self.rank, self.size = rank, size
 
     def all_gather_grads(self, grads: Grads | None, like: Sequence[Tensor]) -> list[Grads | None]:
@@ -149,7 +140,7 @@ class DataParallelEngine(TrainerEngine):
         check_degree(degree)
         self.timeout_s = timeout_s
         threads = threads_per_worker or torch.get_num_threads()
-        port = free_loopback_port()
+        port = free_port()
         remote = ray.remote(DataParallelWorker)
         self.peers = [remote.options(max_restarts=0, **(peer_options or {"num_cpus": threads})).remote(
             rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader)
