@@ -55,8 +55,10 @@ class RolloutEngine:
             raise ValueError(f"page_size {page} must be a multiple of the KV tile {kv_tile}")
         cfg = lm.config
         num_pages = max(1, self.config.kv_cache_tokens // page)
-        self.cache = KVCache(cfg.num_layers, num_pages, page, lm.model.num_local_kv_heads, cfg.head_dim, lm.model.dtype,
-                             lm.model.device)
+        # a tensor-parallel model holds (and caches) only its rank's KV heads; stand-ins for the model
+        # (the doctor's capturing tap) are unsharded
+        kv_heads = getattr(lm.model, "num_local_kv_heads", cfg.num_kv_heads)
+        self.cache = KVCache(cfg.num_layers, num_pages, page, kv_heads, cfg.head_dim, lm.model.dtype, lm.model.device)
         self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens)
         self.runner = ModelRunner(lm.model, self.cache)
