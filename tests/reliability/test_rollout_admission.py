@@ -6,6 +6,7 @@ gate fills, so nothing can finish in between."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,16 +53,28 @@ def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_admits_within_the_bound_queues_then_refuses(rollout) -> None:
-    stub, servicer = rollout
+@contextlib.contextmanager
+def one_admitted_one_queued(stub, servicer: RolloutServicer) -> Iterator[tuple[object, object]]:
+    """Hold the engine thread (nothing admitted can finish), send a call that is admitted and one
+    that queues behind it; yields both calls, and lets the engine go on exit."""
     gate, hold = servicer.admission, threading.Event()
     holder = threading.Thread(target=servicer.worker.call_idle, args=(lambda _: hold.wait(60),))
-    holder.start()  # the engine thread now waits inside this call: nothing admitted can finish
+    holder.start()
     try:
         first = stub.Generate(request())
         until(lambda: gate.inflight_tokens == COST, "the first call to be admitted")
         second = stub.Generate(request())
         until(lambda: gate.queued == 1, "the second call to queue")
+        yield first, second
+    finally:
+        hold.set()
+        holder.join()
+
+
+def test_admits_within_the_bound_queues_then_refuses(rollout) -> None:
+    stub, servicer = rollout
+    gate = servicer.admission
+    with one_admitted_one_queued(stub, servicer) as (first, second):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request(), timeout=30))  # queue full
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in e.value.details()
@@ -69,29 +82,17 @@ def test_admits_within_the_bound_queues_then_refuses(rollout) -> None:
             list(stub.Generate(request(max_new=MAX_NEW + 1), timeout=30))  # could never fit
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (gate.stats.admitted, gate.stats.rejected) == (1, 2)
-    finally:
-        hold.set()
-        holder.join()
     assert len(list(first)) == 1 and len(list(second)) == 1  # the queued call ran once the first finished
     assert gate.inflight_tokens == 0 and gate.queued == 0 and gate.stats.admitted == 2
 
 
 def test_a_cancelled_call_leaves_the_queue(rollout) -> None:
     stub, servicer = rollout
-    gate, hold = servicer.admission, threading.Event()
-    holder = threading.Thread(target=servicer.worker.call_idle, args=(lambda _: hold.wait(60),))
-    holder.start()
-    try:
-        first = stub.Generate(request())
-        until(lambda: gate.inflight_tokens == COST, "the first call to be admitted")
-        queued = stub.Generate(request())
-        until(lambda: gate.queued == 1, "the second call to queue")
+    gate = servicer.admission
+    with one_admitted_one_queued(stub, servicer) as (first, queued):
         queued.cancel()
         until(lambda: gate.queued == 0, "the cancelled call to leave the queue")
         assert gate.stats.abandoned == 1
-    finally:
-        hold.set()
-        holder.join()
     assert len(list(first)) == 1 and gate.stats.admitted == 1
 
 
@@ -100,21 +101,11 @@ def test_the_server_bounds_the_rpcs_it_holds(load_tiny: Callable[..., LoadedMode
     servicer = RolloutServicer(engine, max_inflight_tokens=COST, max_queued_requests=8)
     server = serve_rollout(servicer, ServerConfig(port=0, max_concurrent_rpcs=2))
     stub = api.rollout_pb2_grpc.RolloutServiceStub(connect(server.address))
-    gate, hold = servicer.admission, threading.Event()
-    holder = threading.Thread(target=servicer.worker.call_idle, args=(lambda _: hold.wait(60),))
-    holder.start()
     try:
-        first = stub.Generate(request())
-        until(lambda: gate.inflight_tokens == COST, "the first call to be admitted")
-        second = stub.Generate(request())
-        until(lambda: gate.queued == 1, "the second call to queue")
-        with pytest.raises(grpc.RpcError) as e:  # a third RPC is refused before it takes a handler thread
-            list(stub.Generate(request(), timeout=30))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and gate.stats.rejected == 0
-    finally:
-        hold.set()
-        holder.join()
-    try:
+        with one_admitted_one_queued(stub, servicer) as (first, second):
+            with pytest.raises(grpc.RpcError) as e:  # a third RPC is refused before it takes a handler thread
+                list(stub.Generate(request(), timeout=30))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and servicer.admission.stats.rejected == 0
         assert len(list(first)) == 1 and len(list(second)) == 1
     finally:
         server.stop(grace=0)
