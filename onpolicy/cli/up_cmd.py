@@ -57,6 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--service-host", default="127.0.0.1",
                    help="jobs: address each job's role services bind (0.0.0.0 on a multi-node cluster)")
     p.add_argument("--state-dir", help="jobs: controller state directory")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="jobs: times Ray restarts a job's crashed role service (default 3)")
     add_metrics_args(p, "this service (jobs: every job's services, merged)")
     p.set_defaults(func=serve)
     p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
@@ -112,6 +114,8 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
     from onpolicy.services.jobs.servicer import JobServicer
     from onpolicy.services.roles import SERVICE_NAMES
 
+    if max_restarts < 0:
+        fail(f"--max-restarts must be >= 0, got {max_restarts}")
     init_ray(ray_address)
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
                                                       state_dir=state_dir, max_restarts=max_restarts))
@@ -147,8 +151,6 @@ def default_state_dir() -> Path:
 def up(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     config = server_config(args, token)
-    if args.max_restarts < 0:
-        fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.model:
         from onpolicy.kernels import KernelConfig
         from onpolicy.services.common.model import load_certified
@@ -192,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
         hub = metrics_hub(args)
         endpoint = start_metrics(hub.registry, args) if hub is not None else None
         server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
-                                               args.ray_address, token, hub, args.service_host)
+                                               args.ray_address, token, hub, args.service_host, args.max_restarts)
     else:
         from onpolicy.services.roles import RoleOptions, start_role
 
