@@ -18,6 +18,10 @@ Rollout (``role="rollout"``):
 ``onpolicy_rollout_kv_cache_usage_ratio``             gauge    KV pages held by sequences / all pages
 ``onpolicy_rollout_prefix_cache_hits_total``          counter  KV pages reused from the prefix cache
 ``onpolicy_rollout_preemptions_total``                counter  sequences preempted for KV space
+``onpolicy_rollout_admitted_token_positions``         gauge    token positions admitted by the gate
+``onpolicy_rollout_queued_requests``                  gauge    Generate calls queued at the gate
+``onpolicy_rollout_rejected_requests_total``          counter  calls refused RESOURCE_EXHAUSTED
+``onpolicy_rollout_aborted_sequences_total``          counter  sequences aborted (client went away)
 ====================================================  =======  ======================================
 
 Trainer (``role="trainer"``; the last TrainStep's numbers, recorded by wrapping the servicer's
@@ -81,6 +85,15 @@ class RolloutMetrics:
                       used / blocks.num_pages)
         yield _family("counter", p + "prefix_cache_hits", "KV pages reused from the prefix cache", lab, blocks.hits)
         yield _family("counter", p + "preemptions", "Sequences preempted for KV space", lab, sched.num_preemptions)
+        gate = getattr(self.servicer, "admission", None)  # services/rollout/admission.py
+        if gate is not None:
+            yield _family("gauge", p + "admitted_token_positions", "Token positions admitted by the gate", lab,
+                          gate.inflight_tokens)
+            yield _family("gauge", p + "queued_requests", "Generate calls queued at the gate", lab, gate.queued)
+            yield _family("counter", p + "rejected_requests", "Calls refused RESOURCE_EXHAUSTED by the gate", lab,
+                          gate.stats.rejected)
+            yield _family("counter", p + "aborted_sequences", "Sequences aborted because their client went away",
+                          lab, self.servicer.worker.aborted_sequences)
         yield weight_version_family(self.labels, engine.weight_version)
         yield kernel_info_family(self.labels, self.servicer.kernel_config)
 

@@ -18,6 +18,7 @@ from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
+from onpolicy.services.common.role_metrics import RolloutMetrics
 from onpolicy.services.common.server import ServerConfig
 from onpolicy.services.rollout.service import serve_rollout
 from onpolicy.services.rollout.servicer import RolloutServicer
@@ -53,6 +54,13 @@ def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def metrics(servicer: RolloutServicer) -> dict[str, float]:
+    """The admission metrics the rollout's Prometheus collector exports right now."""
+    names = ("admitted_token_positions", "queued_requests", "rejected_requests_total", "aborted_sequences_total")
+    return {s.name: s.value for fam in RolloutMetrics(servicer).collect() for s in fam.samples
+            if s.name.removeprefix("onpolicy_rollout_") in names}
+
+
 @contextlib.contextmanager
 def one_admitted_one_queued(stub, servicer: RolloutServicer) -> Iterator[tuple[object, object]]:
     """Hold the engine thread (nothing admitted can finish), send a call that is admitted and one
@@ -82,6 +90,10 @@ def test_admits_within_the_bound_queues_then_refuses(rollout) -> None:
             list(stub.Generate(request(max_new=MAX_NEW + 1), timeout=30))  # could never fit
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (gate.stats.admitted, gate.stats.rejected) == (1, 2)
+        assert metrics(servicer) == {"onpolicy_rollout_admitted_token_positions": COST,
+                                     "onpolicy_rollout_queued_requests": 1,
+                                     "onpolicy_rollout_rejected_requests_total": 2,
+                                     "onpolicy_rollout_aborted_sequences_total": 0}
     assert len(list(first)) == 1 and len(list(second)) == 1  # the queued call ran once the first finished
     assert gate.inflight_tokens == 0 and gate.queued == 0 and gate.stats.admitted == 2
 
@@ -122,6 +134,7 @@ def test_a_cancelled_generate_aborts_its_sequences_in_the_engine(rollout) -> Non
     until(lambda: not engine.has_unfinished(), "the engine to be idle")
     assert engine.stats.tokens_generated < n * max_new  # they did not run to the end
     assert engine.blocks.num_free == engine.blocks.num_pages  # every KV page is free again
+    assert metrics(servicer)["onpolicy_rollout_aborted_sequences_total"] == n
     assert len(list(stub.Generate(request(max_new=4), timeout=60))) == 1  # and the service keeps serving
 
 
