@@ -249,4 +249,8 @@ def load_spec_file(path: str | Path) -> JobSpec:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise SpecError([("file", f"{path}: not valid YAML ({e.__class__.__name__})")]) from None
+    except UnicodeDecodeError:
+        raise SpecError([("file", f"{path}: not UTF-8 text")]) from None
+    except OSError as e:
+        raise SpecError([("file", f"{path}: unreadable ({e.strerror or e})")]) from None
     return parse_spec(data)

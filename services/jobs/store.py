@@ -2,11 +2,16 @@
 
 Layout under the state directory: ``jobs/<job_id>/job.json`` (the record, replaced atomically) and
 ``jobs/<job_id>/events.jsonl`` (one event per line, appended and fsynced).
+
+A record that does not parse (disk corruption; writes are atomic, so never a crash mid-write) is
+logged as an error naming the file and left out, so the controller still resumes every other job;
+an events line torn by a crash mid-append is skipped (only that event is lost).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -14,6 +19,8 @@ from pathlib import Path
 from onpolicy.weights import atomic_write_bytes
 
 from .records import JobEvent, JobRecord
+
+log = logging.getLogger(__name__)
 
 
 class JobStore:
@@ -44,14 +51,18 @@ class JobStore:
             f = d / "job.json"
             if not f.is_file():
                 continue
-            rec = JobRecord.from_dict(json.loads(f.read_text()))
+            try:
+                rec = JobRecord.from_dict(json.loads(f.read_text()))
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+                log.error("skipping job record %s: corrupt or unreadable (%s: %s)", f, type(e).__name__, e)
+                continue
             events = []
             ev_file = d / "events.jsonl"
             if ev_file.is_file():
-                for line in ev_file.read_text().splitlines():
+                for line in ev_file.read_text(errors="replace").splitlines():
                     try:
                         events.append(JobEvent.from_dict(json.loads(line)))
                     except (ValueError, KeyError, TypeError):
-                        break  # a torn last line from a crash mid-append
+                        continue  # torn by a crash mid-append (the next append then shares its line)
             out.append((rec, events))
         return out
