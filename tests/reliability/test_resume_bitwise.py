@@ -81,9 +81,14 @@ def step_events(ctl, job_id: str):
     return [e for e in ctl._job(job_id).events if e.weight_version and not e.message]
 
 
-def wait_for_step(ctl, job_id: str, step: int, timeout: float = 300) -> None:
+def resumes(ctl, job_id: str) -> int:
+    return sum(e.message.startswith("resumed from the checkpoint") for e in ctl._job(job_id).events)
+
+
+def wait_for_step(ctl, job_id: str, step: int, resumed: int = 0, timeout: float = 300) -> None:
+    """Until ``step`` steps are completed after at least ``resumed`` resumes."""
     deadline = time.monotonic() + timeout
-    while ctl.get(job_id).step < step:
+    while ctl.get(job_id).step < step or resumes(ctl, job_id) < resumed:
         assert time.monotonic() < deadline, "job made no progress"
         assert not ctl.get(job_id).state.terminal, ctl.get(job_id).error
         time.sleep(0.05)
@@ -122,8 +127,8 @@ def test_killed_actors_restart_and_the_job_resumes_bitwise(ray_cluster, baseline
 
     ctl = controller(tmp_path)
     job_id = ctl.submit(spec()).job_id
-    for step, role in ((1, "trainer"), (2, "rollout"), (3, "verifier")):  # one kill per role, mid-job
-        wait_for_step(ctl, job_id, step)
+    for kills, (step, role) in enumerate(((1, "trainer"), (2, "rollout"), (3, "verifier"))):  # one per role
+        wait_for_step(ctl, job_id, step, resumed=kills)  # the previous kill has been survived first
         ray.kill(ray.get_actor(f"onpolicy-{job_id}-{role}"), no_restart=False)
     rec = ctl.wait(job_id, timeout=600)
     assert rec.state is JobState.SUCCEEDED, rec.error
