@@ -56,9 +56,10 @@ class _Weight:
         self._chunks: dict[int, Any] = {}
 
     def chunked(self, chunks: int) -> Any:
+        from onpolicy.kernels.backend import chunk_major
+
         if chunks not in self._chunks:
-            w = self.weight
-            self._chunks[chunks] = w.view(w.shape[0], chunks, w.shape[1] // chunks).transpose(0, 1).contiguous()
+            self._chunks[chunks] = chunk_major(self.weight, chunks)
         return self._chunks[chunks]
 
 

@@ -80,6 +80,13 @@ class RowWeight(Protocol):
         ...
 
 
+def chunk_major(weight: Tensor, chunks: int) -> Tensor:
+    """``weight [Out, K]`` as ``[chunks, Out, K / chunks]`` contiguous (the ``RowWeight.chunked`` layout)."""
+    if weight.shape[1] % chunks:
+        raise ValueError(f"{chunks} reduction chunks do not divide the input dim {weight.shape[1]}")
+    return weight.view(weight.shape[0], chunks, weight.shape[1] // chunks).transpose(0, 1).contiguous()
+
+
 def fold_chunks(partials: Tensor) -> Tensor:
     """The canonical reduction: ``partials [C, ...]`` summed left to right in chunk order in fp32."""
     acc = partials[0].float()

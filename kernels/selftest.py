@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .backend import SINGLE, Backend, fold_chunks
+from .backend import SINGLE, Backend, chunk_major, fold_chunks
 from .config import KernelConfig
 from .kv import AttentionBatch, ContiguousKV, PagedKV
 from .registry import get_backend
@@ -212,8 +212,7 @@ class _ChunkedWeight:
         self.weight = weight
 
     def chunked(self, chunks: int) -> Tensor:
-        w = self.weight
-        return w.view(w.shape[0], chunks, w.shape[1] // chunks).transpose(0, 1).contiguous()
+        return chunk_major(self.weight, chunks)
 
 
 class _OneRank:

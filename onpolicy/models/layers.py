@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
-from onpolicy.kernels.backend import ShardGroup
+from onpolicy.kernels.backend import ShardGroup, chunk_major
 from onpolicy.kernels.reference.moe import dispatch
 from onpolicy.parallel.layout import ModelParallel, head_shard
 
@@ -48,17 +48,11 @@ class RowLinear(Linear):
         """``[chunks, Out, K_local / chunks]`` contiguous. Without autograd the copy is cached until
         the weight changes (the copy is exact either way)."""
         w = self.weight
-        if w.shape[1] % chunks:
-            raise ValueError(f"{chunks} reduction chunks do not divide the input dim {w.shape[1]}")
-
-        def split(t: Tensor) -> Tensor:
-            return t.view(t.shape[0], chunks, t.shape[1] // chunks).transpose(0, 1).contiguous()
-
         if torch.is_grad_enabled() and w.requires_grad:
-            return split(w)
+            return chunk_major(w, chunks)
         key = (w.data_ptr(), w._version, chunks)
         if self._chunk_cache is None or self._chunk_cache[0] != key:
-            self._chunk_cache = (key, split(w.detach()))
+            self._chunk_cache = (key, chunk_major(w.detach(), chunks))
         return self._chunk_cache[1]
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
