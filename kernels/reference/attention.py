@@ -33,6 +33,12 @@ from .linear import pad_rows
 _SCORE_BUDGET = 1 << 25
 
 
+def _grouped_positions(batch: AttentionBatch, g: int, row_tile: int) -> Tensor:
+    s, mq = batch.q_pos.shape
+    pos = batch.q_pos[:, :, None].expand(s, mq, g).reshape(s, 1, mq * g)
+    return pad_rows(pos.movedim(2, 0), row_tile).movedim(0, 2)
+
+
 def group_queries(q: Tensor, batch: AttentionBatch, num_kv_heads: int, row_tile: int,
                   ) -> tuple[Tensor, Tensor, int]:
     """Packed ``q [N, Hq, D]`` -> ``[S, Hkv, R, D]`` rows (query-major, then heads of the group),
@@ -41,13 +47,11 @@ def group_queries(q: Tensor, batch: AttentionBatch, num_kv_heads: int, row_tile:
     s, mq = batch.q_index.shape
     hq, d = q.shape[1], q.shape[2]
     g = hq // num_kv_heads
-    qd = q[batch.q_index.clamp(min=0)]  # [S, Mq, Hq, D]
+    qd = q[batch.memo("q_index>=0", lambda: batch.q_index.clamp(min=0))]  # [S, Mq, Hq, D]
     qd = qd.view(s, mq, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(s, num_kv_heads, mq * g, d)
-    pos = batch.q_pos[:, :, None].expand(s, mq, g).reshape(s, 1, mq * g)
-    rows = mq * g
     qd = pad_rows(qd.movedim(2, 0), row_tile).movedim(0, 2)
-    pos = pad_rows(pos.movedim(2, 0), row_tile).movedim(0, 2)
-    return qd, pos, rows
+    pos = batch.memo(("grouped_pos", g, row_tile), lambda: _grouped_positions(batch, g, row_tile))
+    return qd, pos, mq * g
 
 
 def ungroup(out: Tensor, batch: AttentionBatch, rows: int, num_rows: int) -> Tensor:
@@ -56,9 +60,9 @@ def ungroup(out: Tensor, batch: AttentionBatch, rows: int, num_rows: int) -> Ten
     mq = batch.q_index.shape[1]
     g = rows // mq
     o = out[:, :, :rows].reshape(s, hkv, mq, g, d).permute(0, 2, 1, 3, 4).reshape(s, mq, hkv * g, d)
-    valid = batch.q_index >= 0
+    valid = batch.memo("valid", lambda: batch.q_index >= 0)
     result = o.new_empty((num_rows, hkv * g, d))
-    result[batch.q_index[valid]] = o[valid]
+    result[batch.memo("valid_rows", lambda: batch.q_index[valid])] = o[valid]
     return result
 
 
@@ -68,20 +72,25 @@ def _row_sum(t: Tensor) -> Tensor:
 
 def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int, *,
                    matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
-                   row_sum: Callable[[Tensor], Tensor] = _row_sum) -> Tensor:
+                   row_sum: Callable[[Tensor], Tensor] = _row_sum, mask: Tensor | None = None) -> Tensor:
     """The tile routine. ``q [S, Hkv, R, D]``, ``k``/``v`` ``[S, Hkv, L, D]`` with ``L`` a multiple
     of ``kv_tile``, ``pos [S, 1, R]`` each row's position. Returns fp32 ``[S, Hkv, R, D]``.
-    ``matmul``/``row_sum`` let a backend supply its own GEMM and row sum (the loop stays this one)."""
+    ``matmul``/``row_sum`` let a backend supply its own GEMM and row sum (the loop stays this one);
+    ``mask`` is ``arange(L) > pos[..., None]`` when the caller already has it."""
     s, hkv, r, d = q.shape
     length = k.shape[2]
     nb = length // kv_tile
-    kt = k.float().transpose(2, 3)  # [S, Hkv, D, L]
-    vb = v.float().reshape(s, hkv, nb, kv_tile, d)
-    key_pos = torch.arange(length, device=q.device)
-    scores = matmul(q.float(), kt) * scale  # [S, Hkv, R, L]
-    scores = scores.masked_fill(key_pos > pos[..., None], float("-inf")).view(s, hkv, r, nb, kv_tile)
+    # contiguous head-major fp32 copies (one pass each, whatever the caller's strides); the score
+    # GEMM reads K through its transposed view, the same GEMM as on a copied K^T
+    kt = k.to(torch.float32, memory_format=torch.contiguous_format).transpose(2, 3)  # [S, Hkv, D, L]
+    vb = v.to(torch.float32, memory_format=torch.contiguous_format).view(s, hkv, nb, kv_tile, d)
+    if mask is None:
+        mask = torch.arange(length, device=q.device) > pos[..., None]
+    # in-place steps on fresh tensors only (no autograd input is overwritten); same ops, same bits
+    scores = matmul(q.float(), kt).mul_(scale)  # [S, Hkv, R, L]
+    scores = scores.masked_fill_(mask, float("-inf")).view(s, hkv, r, nb, kv_tile)
     m = scores.amax(-1).cummax(-1).values  # running max after each tile  [S, Hkv, R, nb]
-    p = torch.exp(scores - m[..., None])
+    p = (scores - m[..., None]).exp_()
     rowsum = row_sum(p)  # [S, Hkv, R, nb]
     pv = matmul(p.transpose(2, 3), vb)  # [S, Hkv, nb, R, D]
     l_acc = rowsum[..., 0]
@@ -95,22 +104,33 @@ def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, k
     return acc / l_acc[..., None]
 
 
+def _rows_beyond(batch: AttentionBatch, length: int) -> Tensor:
+    """Flat indices ``s * length + j`` of the dense rows past each sequence's end."""
+    j = torch.arange(length, device=batch.kv_lens.device)
+    beyond = j[None, :] >= batch.kv_lens[:, None]
+    return (torch.arange(beyond.shape[0], device=j.device)[:, None] * length + j)[beyond]
+
+
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, row_tile: int,
               kv_tile: int, tile: Callable[..., Tensor] = tile_attention) -> Tensor:
     length = -(-batch.max_kv_len // kv_tile) * kv_tile
-    k, v = kv.dense(length)  # [S, L, Hkv, D]
-    # Slots past a sequence's end are never attended (p = 0 exactly), but 0 * inf would be NaN:
-    # zero their values so stale or never-written cache slots cannot leak into the output.
-    beyond = torch.arange(length, device=v.device)[None, :] >= batch.kv_lens[:, None]
-    v = v.masked_fill(beyond[:, :, None, None], 0)
+    k, v = kv.dense(length)  # fresh [S, L, Hkv, D] copies
     hkv = k.shape[2]
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
+    # Slots past a sequence's end are never attended (p = 0 exactly), but 0 * inf would be NaN:
+    # zero their values so stale or never-written cache slots cannot leak into the output.
+    v.view(-1, *v.shape[2:])[batch.memo(("beyond", length), lambda: _rows_beyond(batch, length))] = 0
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     qd, pos, rows = group_queries(q, batch, hkv, row_tile)
     s, _, r_pad, _ = qd.shape
     chunk = max(row_tile, (_SCORE_BUDGET // max(1, s * hkv * length)) // row_tile * row_tile)
-    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile)
+    extra: Callable[[int], dict[str, Tensor]] = lambda r0: {}  # noqa: E731
+    if tile is tile_attention and chunk >= r_pad:  # one chunk: its causal mask serves every layer
+        mask = batch.memo(("causal", length, q.shape[1] // hkv, row_tile),
+                          lambda: torch.arange(length, device=q.device) > pos[..., None])
+        extra = lambda r0: {"mask": mask}  # noqa: E731
+    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile, **extra(r0))
              for r0 in range(0, r_pad, chunk)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return ungroup(out.to(q.dtype), batch, rows, batch.num_rows)
