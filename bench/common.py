@@ -92,9 +92,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
+def median_time(fn: Callable[[], object], repeats: int, warm: Callable[[], object] | None = None) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` after one warm-up call (``warm``, or ``fn``)."""
+    (warm or fn)()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

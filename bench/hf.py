@@ -40,12 +40,12 @@ def hf_generate_seconds(hf: torch.nn.Module, prompts: list[list[int]], new_token
     """Median wall time of greedy cached ``generate`` of exactly ``new_tokens`` per prompt."""
     ids = torch.tensor(prompts)
 
-    def run() -> None:
+    def run(n: int = new_tokens) -> None:
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, use_cache=True, pad_token_id=0)
 
-    return median_time(run, repeats)
+    return median_time(run, repeats, warm=lambda: run(2))
 
 
 def hf_cached_logdiff(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:

@@ -3,7 +3,8 @@ its sampled logprobs against the training path, beside transformers' cached-vs-f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+import time
 
 import torch
 
@@ -21,10 +22,11 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
 
 
 def engine_for(lm: LoadedModel, batch: int, tokens_per_seq: int) -> RolloutEngine:
-    """An engine that holds the whole batch at once (KV cache sized to it, no prefix cache)."""
+    """An engine that holds the whole batch at once and prefills it in one step (KV cache sized to
+    it, no prefix cache)."""
     page = lm.model.ops.config.kv_tile
     kv = batch * (-(-tokens_per_seq // page) + 1) * page
-    return RolloutEngine(lm, EngineConfig(max_num_seqs=batch, max_batched_tokens=max(2048, batch),
+    return RolloutEngine(lm, EngineConfig(max_num_seqs=batch, max_batched_tokens=max(2048, batch * tokens_per_seq),
                                           kv_cache_tokens=kv, prefix_cache=False))
 
 
@@ -32,16 +34,27 @@ def generate_seconds(lm: LoadedModel, prompts: list[list[int]], new_tokens: int,
     """Median wall time of greedy generation of exactly ``new_tokens`` per prompt (prefill included)."""
     engine = engine_for(lm, len(prompts), len(prompts[0]) + new_tokens)
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    return median_time(lambda: engine.generate(prompts, params), repeats)
+    warm = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    return median_time(lambda: engine.generate(prompts, params), repeats, warm=lambda: engine.generate(prompts, warm))
 
 
-def decode_tokens_per_s(seconds: Callable[[list[list[int]], int, int], float], prompts: list[list[int]],
-                        new_tokens: int, repeats: int) -> float:
-    """Decode-only tokens/s: the time of ``1 + new_tokens`` minus that of 1 new token (the prefill and
-    the first sample), over ``new_tokens`` steps of the batch. ``seconds(prompts, n, repeats)`` times one run."""
-    t1 = seconds(prompts, 1, repeats)
-    tn = seconds(prompts, 1 + new_tokens, repeats)
-    return len(prompts) * new_tokens / max(tn - t1, 1e-9)
+def decode_tokens_per_s(lm: LoadedModel, prompts: list[list[int]], steps: int, repeats: int) -> float:
+    """Decode-only tokens/s: the engine's ``steps`` steps after the one that prefills every prompt
+    (and samples its first token), timed on their own; median over ``repeats`` runs after a warm-up."""
+    engine = engine_for(lm, len(prompts), len(prompts[0]) + steps + 1)
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True)
+
+    def decode_seconds() -> float:
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # the whole prefill fits one step (engine_for's token budget)
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - t0
+
+    decode_seconds()
+    return len(prompts) * steps / statistics.median(decode_seconds() for _ in range(repeats))
 
 
 def our_logdiff(lm: LoadedModel, prompts: list[list[int]], new_tokens: int) -> float:

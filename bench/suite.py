@@ -33,20 +33,21 @@ class Setup:
     prompt_len: int = 128
     new_tokens: int = 128
     repeats: int = 1
-    """Timed runs of each rollout measurement (after one warm-up); the median is reported."""
-    train_batch: int = 8
+    """Timed runs of each rollout measurement (after a short warm-up); the median is reported."""
+    train_batch: int = 4
     train_len: int = 256
-    train_repeats: int = 3
+    train_repeats: int = 2
     decode_tokens: int = 32
     """Decode steps of the roofline's decode-only rate."""
+    logdiff_tokens: int = 32
     rl_batch: int = 8
-    rl_new_tokens: int = 64
+    rl_new_tokens: int = 32
     bandwidth_mib: int = 512
 
     @staticmethod
     def quick() -> Setup:
-        return Setup(dtypes=("fp32",), batches=(1, 32), prompt_len=64, new_tokens=16, train_batch=4, train_len=128,
-                     train_repeats=2, decode_tokens=8, rl_batch=4, rl_new_tokens=16, bandwidth_mib=256)
+        return Setup(dtypes=("fp32",), batches=(1, 32), prompt_len=32, new_tokens=16, train_batch=4, train_len=64,
+                     decode_tokens=8, logdiff_tokens=8, rl_batch=4, rl_new_tokens=8, bandwidth_mib=256)
 
     def with_(self, **changes: object) -> Setup:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -140,10 +141,10 @@ def vs_hf(wb: Workbench, report: Report) -> None:
             log(f"vs-hf/rollout/bs{bs}/{dtype} done")
         report.results.append(Result(f"vs-hf/trainer/{dtype}", wb.train_tps("reference", dtype),
                                      wb.train_tps("hf", dtype), "tokens/s", "consistent / transformers, fwd+bwd"))
-        prompts = prompts_for(4, s.prompt_len, wb.vocab(), seed=1)
-        logdiffs[dtype] = {"ours_consistent": our_logdiff(wb.lm("reference", dtype), prompts, s.new_tokens),
-                           "ours_fast": our_logdiff(wb.lm("fast", dtype), prompts, s.new_tokens),
-                           "transformers_cached_vs_full": hf.hf_cached_logdiff(wb.hf(dtype), prompts, s.new_tokens)}
+        prompts, n = prompts_for(4, s.prompt_len, wb.vocab(), seed=1), s.logdiff_tokens
+        logdiffs[dtype] = {"ours_consistent": our_logdiff(wb.lm("reference", dtype), prompts, n),
+                           "ours_fast": our_logdiff(wb.lm("fast", dtype), prompts, n),
+                           "transformers_cached_vs_full": hf.hf_cached_logdiff(wb.hf(dtype), prompts, n)}
     report.details["max_abs_logdiff"] = logdiffs
 
 
@@ -160,8 +161,7 @@ def roofline_suite(wb: Workbench, report: Report) -> None:
         per_token = 2 * roofline.matmul_params(lm.model)
 
         def ours(batch: int, lm: LoadedModel = lm) -> float:
-            prompts = prompts_for(batch, s.prompt_len, wb.vocab(), seed=3)
-            return decode_tokens_per_s(lambda p, n, r: generate_seconds(lm, p, n, r), prompts, s.decode_tokens,
+            return decode_tokens_per_s(lm, prompts_for(batch, s.prompt_len, wb.vocab(), seed=3), s.decode_tokens,
                                        s.repeats)
 
         bound1 = bw / weight_bytes
@@ -189,7 +189,7 @@ def rl_step(wb: Workbench, report: Report) -> None:
         breakdown[dtype] = times
         log(f"rl-step/{dtype} done")
     report.details["rl_step_seconds"] = breakdown
-    report.details["rl_step_setup"] = {"samples": s.rl_batch, "prompt_len": s.prompt_len,
+    report.details["rl_step_setup"] = {"samples": s.rl_batch, "prompt_len": s.prompt_len, "sampling": "temperature 1",
                                        "new_tokens": s.rl_new_tokens, "epochs": 1, "minibatches": 1}
 
 
