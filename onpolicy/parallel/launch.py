@@ -89,7 +89,12 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float
                     continue
             if not ok:
                 last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
-                raise WorkerError(f"rank {rank} of {world} failed: {last}\n{payload}")
+                # a peer's death shows up on the survivors as a connection error: name the dead rank first
+                time.sleep(0.5)
+                silent = [r for r, p in enumerate(procs) if r != rank and r not in out and p.exitcode not in (None, 0)]
+                cause = "".join(f"rank {r} of {world} exited with code {procs[r].exitcode} without a result; "
+                                for r in silent)
+                raise WorkerError(f"{cause}rank {rank} of {world} failed: {last}\n{payload}")
             out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
