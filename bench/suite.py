@@ -40,7 +40,7 @@ class Setup:
     decode_tokens: int = 32
     """Decode steps of the roofline's decode-only rate."""
     logdiff_tokens: int = 32
-    rl_batch: int = 8
+    rl_batch: int = 4
     rl_new_tokens: int = 32
     bandwidth_mib: int = 512
 
