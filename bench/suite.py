@@ -30,7 +30,7 @@ class Setup:
 
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     batches: tuple[int, ...] = (1, 8, 32)
-    prompt_len: int = 128
+    prompt_len: int = 64
     new_tokens: int = 128
     repeats: int = 1
     """Timed runs of each rollout measurement (after a short warm-up); the median is reported."""
@@ -62,6 +62,7 @@ class Workbench:
         self._models: dict[tuple[str, str], LoadedModel] = {}
         self._hf: dict[str, torch.nn.Module] = {}
         self._memo: dict[tuple[object, ...], float] = {}
+        self.engines: set[str] = set()  # engines whose throughput the selected suites compare
 
     def lm(self, backend: str, dtype: str) -> LoadedModel:
         key = (backend, dtype)
@@ -78,42 +79,46 @@ class Workbench:
             self._hf[dtype] = hf.hf_model(self.lm("reference", dtype), dtype_of(dtype))
         return self._hf[dtype]
 
-    def memo(self, key: tuple[object, ...], measure: Callable[[], float]) -> float:
-        if key not in self._memo:
-            self._memo[key] = measure()
-        return self._memo[key]
-
     def vocab(self) -> int:
         return self.lm("reference", self.setup.dtypes[0]).config.vocab_size
 
     # ------------------------------------------------------------------ shared measurements
     def rollout_tps(self, engine: str, dtype: str, batch: int) -> float:
-        """Tokens/s of ``engine`` (reference | fast | hf) generating ``new_tokens`` for ``batch`` prompts."""
+        """Tokens/s of ``engine`` (reference | fast | hf) generating ``new_tokens`` for ``batch`` prompts.
+        Every engine of ``self.engines`` is measured at once, back to back, so their ratios see the
+        same machine load."""
         s = self.setup
         prompts = prompts_for(batch, s.prompt_len, self.vocab())
 
-        def measure() -> float:
-            if engine == "hf":
+        def measure(name: str) -> float:
+            if name == "hf":
                 secs = hf.hf_generate_seconds(self.hf(dtype), prompts, s.new_tokens, s.repeats)
             else:
-                secs = generate_seconds(self.lm(engine, dtype), prompts, s.new_tokens, s.repeats)
+                secs = generate_seconds(self.lm(name, dtype), prompts, s.new_tokens, s.repeats)
             return batch * s.new_tokens / secs
 
-        return self.memo(("rollout", engine, dtype, batch), measure)
+        return self._side_by_side(("rollout", dtype, batch), engine, measure)
 
     def train_tps(self, engine: str, dtype: str) -> float:
-        """Tokens/s of one forward+backward over ``train_batch`` sequences of ``train_len`` tokens."""
+        """Tokens/s of one forward+backward over ``train_batch`` sequences of ``train_len`` tokens
+        (every engine of ``self.engines`` back to back, as for the rollout)."""
         s = self.setup
         seqs = prompts_for(s.train_batch, s.train_len, self.vocab(), seed=2)
 
-        def measure() -> float:
-            if engine == "hf":
+        def measure(name: str) -> float:
+            if name == "hf":
                 secs = hf.hf_train_seconds(self.hf(dtype), seqs, s.train_repeats)
             else:
-                secs = train_seconds(self.lm(engine, dtype), seqs, s.train_repeats)
+                secs = train_seconds(self.lm(name, dtype), seqs, s.train_repeats)
             return s.train_batch * (s.train_len - 1) / secs
 
-        return self.memo(("train", engine, dtype), measure)
+        return self._side_by_side(("train", dtype), engine, measure)
+
+    def _side_by_side(self, key: tuple[object, ...], engine: str, measure: Callable[[str], float]) -> float:
+        if (*key, engine) not in self._memo:
+            for name in sorted(self.engines | {engine}):
+                self._memo[(*key, name)] = measure(name)
+        return self._memo[(*key, engine)]
 
 
 # ---------------------------------------------------------------------- suites
@@ -202,6 +207,7 @@ def run_suites(which: str, model: str, setup: Setup, command: str) -> Report:
     names = list(SUITES) if which == "all" else [which]
     report = Report(command=command, commands=[command])
     wb = Workbench(model, setup)
+    wb.engines = {"reference"} | ({"fast"} if "overhead" in names else set()) | ({"hf"} if "vs-hf" in names else set())
     t0 = time.perf_counter()
     for name in names:
         RUNNERS[name](wb, report)
