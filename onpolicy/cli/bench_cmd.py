@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         b.add_argument("--json", action="store_true", help="JSON for machines instead of the table")
         b.add_argument("--dtype", choices=["fp32", "bf16", "both"], help="default: both (--quick: fp32)")
         b.add_argument("--batches", help="comma-separated rollout batch sizes (default 1,8,32; --quick 1,32)")
-        b.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; --quick 64)")
+        b.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick 32)")
         b.add_argument("--new-tokens", type=int, help="generated tokens per sequence (default 128; --quick 16)")
         b.add_argument("--repeats", type=int, help="timed rollout runs after a warm-up, median reported (default 1)")
         b.set_defaults(func=run_suite)
