@@ -37,6 +37,12 @@ class RoleOptions:
     """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
     engine: str = "onpolicy"
     """Rollout: ``onpolicy`` or an external engine (``vllm-ascend``; ``onpolicy.rollout.external``)."""
+    rollout_tp: int = 1
+    """Rollout: tensor-parallel degree (``onpolicy.parallel.mirrored``: peer ranks are Ray actors it starts)."""
+    rollout_ep: int = 1
+    """Rollout: expert-parallel degree (MoE models)."""
+    rollout_npus: int = 0
+    """Rollout: NPUs each tensor/expert-parallel peer requests (as many as the rollout itself)."""
     trainer_dp: int = 1
     """Trainer: data-parallel ranks; the service is rank 0, its peers are Ray actors it starts
     (``onpolicy.trainer.data_parallel``)."""
@@ -77,7 +83,8 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
         servicer = build_rollout_service(opts.model, opts.kernel_config,
                                          EngineConfig(max_num_seqs=opts.max_num_seqs,
                                                       max_batched_tokens=opts.max_batched_tokens),
-                                         weights_fingerprint=opts.weights_fingerprint, engine=opts.engine)
+                                         weights_fingerprint=opts.weights_fingerprint, engine=opts.engine,
+                                         tp=opts.rollout_tp, ep=opts.rollout_ep, peer_npus=opts.rollout_npus)
         return servicer, api.rollout_pb2_grpc.add_RolloutServiceServicer_to_server
     if role == "trainer":
         from .trainer.service import build_trainer_service

@@ -14,7 +14,8 @@ ONPOLICY_HOME
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,29 @@ def tmp_home(tmp_path: Path, tiny_paths: dict[str, Path], monkeypatch: pytest.Mo
     (home / "models").symlink_to(SHARED_HOME / "models", target_is_directory=True)
     monkeypatch.setenv("ONPOLICY_HOME", str(home))
     return home
+
+
+JOBS_TOKEN = secrets.token_urlsafe(16)
+
+
+@pytest.fixture(scope="module")
+def job_service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A JobService over gRPC whose controller launches every role as a Ray actor (``RayLauncher``) on the
+    ``ray_cluster`` fixture of the requesting test's directory."""
+    from onpolicy.services import api
+    from onpolicy.services.cluster.actors import RayLauncher
+    from onpolicy.services.common.client import connect
+    from onpolicy.services.common.server import GrpcServer, ServerConfig
+    from onpolicy.services.jobs.controller import JobController
+    from onpolicy.services.jobs.servicer import JobServicer
+
+    controller = JobController(tmp_path_factory.mktemp("controller"), RayLauncher(token=JOBS_TOKEN))
+    server = GrpcServer(ServerConfig(port=0, token=JOBS_TOKEN))
+    server.add_service("onpolicy.v1.JobService", JobServicer(controller),
+                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
+    server.start()
+    channel = connect(server.address, token=JOBS_TOKEN)
+    yield api.jobs_pb2_grpc.JobServiceStub(channel)
+    channel.close()
+    controller.shutdown()
+    server.stop()

@@ -97,7 +97,9 @@ def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str =
                        max_num_seqs=spec.rollout.max_num_seqs, max_batched_tokens=spec.rollout.max_batched_tokens,
                        weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir,
                        engine=spec.rollout.engine if role == "rollout" else "onpolicy",
-                       trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus)
+                       trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus,
+                       rollout_tp=spec.parallel.rollout.tp, rollout_ep=spec.parallel.rollout.ep,
+                       rollout_npus=spec.resources_for("rollout").npus)
     if role == "verifier":  # the verifier records the rollout's kernels with the samples it stores
         rollout = RoleOptions(**role_options(spec, "rollout"))
         opts = replace(opts, rollout_kernel_fingerprint=rollout.kernel_config.fingerprint)

@@ -40,12 +40,18 @@ class ServiceLauncher(Protocol):
 
 def check_supported(spec: JobSpec) -> None:
     """Refuse (``SpecError`` naming the field) the parallel degrees the role services do not run yet,
-    rather than ignore them: tensor and expert parallel (``parallel.*.tp``, ``parallel.*.ep`` > 1).
-    The trainer's data-parallel degree is run (``onpolicy.trainer.data_parallel``)."""
-    bad = [(f"parallel.{role}.{name}", f"{name}={value}: the {role} service runs one model replica per process; "
-            "tensor and expert parallel degrees > 1 are not wired into the services yet (only 1 is supported)")
-           for role, degrees in (("rollout", spec.parallel.rollout), ("trainer", spec.parallel.trainer))
-           for name in ("tp", "ep") if (value := getattr(degrees, name)) > 1]
+    rather than ignore them: the trainer's tensor and expert parallel (``parallel.trainer.tp``,
+    ``parallel.trainer.ep`` > 1), and rollout tp/ep > 1 on an external engine. The rollout's tp/ep
+    (``onpolicy.parallel.mirrored``) and the trainer's data-parallel degree
+    (``onpolicy.trainer.data_parallel``) are run."""
+    bad = [(f"parallel.trainer.{name}", f"{name}={value}: the trainer service runs one model replica per rank; "
+            "tensor and expert parallel training is not wired into the services yet (only 1 is supported; "
+            "use parallel.trainer.dp)")
+           for name in ("tp", "ep") if (value := getattr(spec.parallel.trainer, name)) > 1]
+    if spec.rollout.engine != OWN_ENGINE:
+        bad += [(f"parallel.rollout.{name}", f"{name}={value}: the {spec.rollout.engine} engine runs its own "
+                 "parallelism; parallel.rollout degrees apply to the onpolicy engine only (only 1 is supported)")
+                for name in ("tp", "ep") if (value := getattr(spec.parallel.rollout, name)) > 1]
     if bad:
         raise SpecError(bad)
 

@@ -15,7 +15,7 @@ from .servicer import SERVICE_NAME, RolloutServicer
 
 def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_config: EngineConfig | None = None,
                           *, weights_fingerprint: str | None = None, max_sequences_per_request: int = 4096,
-                          engine: str = OWN_ENGINE) -> RolloutServicer:
+                          engine: str = OWN_ENGINE, tp: int = 1, ep: int = 1, peer_npus: int = 0) -> RolloutServicer:
     """Load ``model_ref`` on ``kernel_config``'s backend and wrap a fresh engine in a servicer.
 
     Refuses (``UncertifiedBackend``) when the backend fails its self-test on this machine (run once
@@ -23,13 +23,29 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     fingerprint weight versions must carry to be accepted by UpdateWeights (default: this service's
     own); set it only to run ``fast`` kernels on weights the consistent trainer publishes.
     ``engine``: ``onpolicy`` or an external engine (``onpolicy.rollout.external``, e.g. ``vllm-ascend``).
+    ``tp``/``ep`` > 1 (own engine only): the engine is rank 0 of ``lcm(tp, ep)`` ranks on its shard
+    (``onpolicy.parallel.mirrored.MirroredRolloutEngine``; on a Ray worker), its peers Ray actors with
+    this process's thread count and ``peer_npus`` NPUs each, which certify the operator set on their nodes.
     """
+    if engine != OWN_ENGINE and (tp > 1 or ep > 1):
+        raise ValueError(f"tp={tp}, ep={ep}: only the onpolicy engine runs tensor/expert parallel here")
     if engine != OWN_ENGINE:  # e.g. vllm-ascend: EngineUnavailable (FAILED_PRECONDITION) before loading anything
         external = build_engine(engine, model_ref, kernel_config, engine_config, certify=ensure_certified)
         return RolloutServicer(external, weights_fingerprint=weights_fingerprint,
                                max_sequences_per_request=max_sequences_per_request)
     lm = load_certified(model_ref, kernel_config)
-    return RolloutServicer(RolloutEngine(lm, engine_config), weights_fingerprint=weights_fingerprint,
+    if tp > 1 or ep > 1:
+        import torch
+
+        from onpolicy.kernels.ascend.placement import actor_options
+        from onpolicy.parallel.mirrored import MirroredRolloutEngine
+
+        rollout: RolloutEngine = MirroredRolloutEngine(
+            lm, engine_config, tp=tp, ep=ep, model_ref=model_ref, loader=load_certified,
+            peer_options=actor_options(peer_npus, torch.get_num_threads()))
+    else:
+        rollout = RolloutEngine(lm, engine_config)
+    return RolloutServicer(rollout, weights_fingerprint=weights_fingerprint,
                            max_sequences_per_request=max_sequences_per_request)
 
 

@@ -65,6 +65,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def close(self) -> None:
         self.worker.close()
+        close = getattr(self.engine, "close", None)  # a parallel engine ends its peer ranks
+        if close is not None:
+            close()
 
     def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext,
                  ) -> Iterator[rollout_pb2.GenerateResponse]:
@@ -118,7 +121,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 engine.update_weights(state, ref.version)
             except ValueError as e:  # names or shapes of another model: nothing was changed
                 raise InvalidArgument("weights", str(e)) from None
-            sha = weights_sha256(engine.lm.model.state_dict())
+            # a parallel engine (onpolicy.parallel.mirrored) names the full weights, not rank 0's shard
+            sha = getattr(engine, "weights_sha256", None) or weights_sha256(engine.lm.model.state_dict())
             engine.lm.weights_sha256 = sha
             with self._info_lock:  # on the engine thread, so concurrent updates report in order
                 self._weight_sha256, self._weight_version = sha, ref.version

@@ -6,38 +6,13 @@ minibatches fit one unit of the trainer's default 4096 rows.)"""
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from onpolicy.jobs.spec import load_spec_file
 from onpolicy.services import api
-from onpolicy.services.common.client import connect
 from onpolicy.services.jobs.convert import spec_to_proto
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = secrets.token_urlsafe(16)
-
-
-@pytest.fixture(scope="module")
-def job_service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from onpolicy.services.cluster.actors import RayLauncher
-    from onpolicy.services.common.server import GrpcServer, ServerConfig
-    from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import JobServicer
-
-    controller = JobController(tmp_path_factory.mktemp("controller"), RayLauncher(token=TOKEN))
-    server = GrpcServer(ServerConfig(port=0, token=TOKEN))
-    server.add_service("onpolicy.v1.JobService", JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    server.start()
-    channel = connect(server.address, token=TOKEN)
-    yield api.jobs_pb2_grpc.JobServiceStub(channel)
-    channel.close()
-    controller.shutdown()
-    server.stop()
 
 
 def test_dp2_job_runs_with_logdiff_zero(job_service: object, tmp_path: Path) -> None:

@@ -80,8 +80,7 @@ def test_spec_dp_reaches_the_trainer_role() -> None:
     assert (opts["trainer_dp"], opts["trainer_dp_npus"]) == (2, 2)
 
 
-@pytest.mark.parametrize(("role", "name"), [("rollout", "tp"), ("rollout", "ep"), ("trainer", "tp"),
-                                            ("trainer", "ep")])
+@pytest.mark.parametrize(("role", "name"), [("trainer", "tp"), ("trainer", "ep")])
 def test_job_service_refuses_degrees_it_does_not_run(tmp_path: Path, role: str, name: str) -> None:
     controller = JobController(tmp_path, RayLauncher())
     try:
