@@ -128,8 +128,8 @@ def test_hub_merges_targets_and_keeps_a_retired_jobs_final_snapshot() -> None:
 
 def test_rollout_and_trainer_collectors(load_tiny) -> None:
     from onpolicy.rollout import RolloutEngine, SamplingParams
-    from onpolicy.services.rollout.servicer import RolloutServicer
     from onpolicy.services.common.role_metrics import RolloutMetrics, TrainerMetrics
+    from onpolicy.services.rollout.servicer import RolloutServicer
 
     sv = RolloutServicer(RolloutEngine(load_tiny(MODEL, kv_tile=KV_TILE)))
     try:
