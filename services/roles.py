@@ -84,7 +84,8 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
                                          EngineConfig(max_num_seqs=opts.max_num_seqs,
                                                       max_batched_tokens=opts.max_batched_tokens),
                                          weights_fingerprint=opts.weights_fingerprint, engine=opts.engine,
-                                         tp=opts.rollout_tp, ep=opts.rollout_ep, peer_npus=opts.rollout_npus)
+                                         tp=opts.rollout_tp, ep=opts.rollout_ep, peer_npus=opts.rollout_npus,
+                                         peer_name=f"onpolicy-{opts.job}-rollout" if opts.job else "")
         return servicer, api.rollout_pb2_grpc.add_RolloutServiceServicer_to_server
     if role == "trainer":
         from .trainer.service import build_trainer_service

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -92,12 +93,14 @@ class MirroredRolloutEngine(RolloutEngine):
     """Rank 0 of a ``tp`` x ``ep`` rollout (``world = lcm(tp, ep)`` ranks) over the full model ``lm``
     (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
     uncertified). Peers are Ray actors on the current cluster started with ``peer_options`` (default
-    ``{"num_cpus": threads}``). ``close()`` (or ``with``) ends them. ``weights_sha256`` names the
-    full weights being served, as an unsharded engine's would."""
+    ``{"num_cpus": threads}``), named ``{peer_name}-{random}-rank{r}`` when ``peer_name`` is given.
+    ``close()`` (or ``with``) ends them. ``weights_sha256`` names the full weights being served, as
+    an unsharded engine's would."""
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *, tp: int = 1, ep: int = 1,
                  model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 peer_name: str = "") -> None:
         import ray
 
         kernel_config = lm.model.ops.config
@@ -106,10 +109,14 @@ class MirroredRolloutEngine(RolloutEngine):
         self.timeout_s = timeout_s
         self.weights_sha256 = lm.weights_sha256
         self._pending: list[tuple[int, Any]] = []
+        self.failed = ""
+        """Why the engine is unusable (a peer failed), "" while it runs."""
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
         remote = ray.remote(RolloutPeer)
-        self.peers = [remote.options(max_restarts=0, **(peer_options or {"num_cpus": threads})).remote(
+        tag = f"{peer_name}-{secrets.token_hex(3)}" if peer_name else ""
+        self.peers = [remote.options(max_restarts=0, **({"name": f"{tag}-rank{rank}"} if tag else {}),
+                                     **(peer_options or {"num_cpus": threads})).remote(
             Layout(tp, ep, rank, self.world), port, model_ref, kernel_config, config, threads, timeout_s, loader)
             for rank in range(1, self.world)]
         try:
@@ -136,8 +143,7 @@ class MirroredRolloutEngine(RolloutEngine):
             try:
                 ray.get(ref, timeout=self.timeout_s)
             except BaseException as e:
-                self.close()
-                raise PeerFailed(_failure(rank, self.world, e)) from e
+                raise self._lost(_failure(rank, self.world, e)) from e
 
     def _local(self, fn: Callable[[], Any]) -> Any:
         """Run rank 0's part of a mirrored call. If it fails, a failed peer is the likelier cause (a
@@ -156,10 +162,14 @@ class MirroredRolloutEngine(RolloutEngine):
                     try:
                         ray.get(ref, timeout=1.0)
                     except BaseException as peer_error:
-                        self.close()
-                        raise PeerFailed(_failure(rank, self.world, peer_error)) from e
-            self.close()
+                        raise self._lost(_failure(rank, self.world, peer_error)) from e
+            self._lost(f"rollout rank 0 of {self.world} failed: {type(e).__name__}: {e}")
             raise
+
+    def _lost(self, why: str) -> PeerFailed:
+        self.failed = why
+        self.close()
+        return PeerFailed(why)
 
     # ---- the engine calls ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int = 0) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -48,12 +49,20 @@ class ServiceActor:
         torch.set_num_threads(max(1, threads))
         from ..roles import RoleOptions, start_role
 
+        self.role_name = role
         self.role = start_role(role, RoleOptions(**options), host=host, token=token,
                                metrics_host=host if metrics else None)
         self.server = self.role.server
         self.host = advertised_host(host)
 
     def address(self) -> str:
+        """Where the service answers; a service whose engine stopped (e.g. a lost tensor-parallel peer
+        rank) exits instead, so Ray restarts it with fresh peers and the caller resolves the new one."""
+        if self.role_name == "rollout":
+            worker = self.role.servicer.worker
+            if not worker.alive or getattr(worker.engine, "failed", ""):
+                log.error("the rollout engine has stopped; exiting so that Ray restarts this service")
+                os._exit(1)
         return f"{self.host}:{self.server.port}"
 
     def metrics_url(self) -> str:

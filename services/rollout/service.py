@@ -15,7 +15,8 @@ from .servicer import SERVICE_NAME, RolloutServicer
 
 def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_config: EngineConfig | None = None,
                           *, weights_fingerprint: str | None = None, max_sequences_per_request: int = 4096,
-                          engine: str = OWN_ENGINE, tp: int = 1, ep: int = 1, peer_npus: int = 0) -> RolloutServicer:
+                          engine: str = OWN_ENGINE, tp: int = 1, ep: int = 1, peer_npus: int = 0,
+                          peer_name: str = "") -> RolloutServicer:
     """Load ``model_ref`` on ``kernel_config``'s backend and wrap a fresh engine in a servicer.
 
     Refuses (``UncertifiedBackend``) when the backend fails its self-test on this machine (run once
@@ -25,7 +26,8 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     ``engine``: ``onpolicy`` or an external engine (``onpolicy.rollout.external``, e.g. ``vllm-ascend``).
     ``tp``/``ep`` > 1 (own engine only): the engine is rank 0 of ``lcm(tp, ep)`` ranks on its shard
     (``onpolicy.parallel.mirrored.MirroredRolloutEngine``; on a Ray worker), its peers Ray actors with
-    this process's thread count and ``peer_npus`` NPUs each, which certify the operator set on their nodes.
+    this process's thread count and ``peer_npus`` NPUs each (named after ``peer_name`` when given), which
+    certify the operator set on their nodes.
     """
     if engine != OWN_ENGINE and (tp > 1 or ep > 1):
         raise ValueError(f"tp={tp}, ep={ep}: only the onpolicy engine runs tensor/expert parallel here")
@@ -42,7 +44,7 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
 
         rollout: RolloutEngine = MirroredRolloutEngine(
             lm, engine_config, tp=tp, ep=ep, model_ref=model_ref, loader=load_certified,
-            peer_options=actor_options(peer_npus, torch.get_num_threads()))
+            peer_options=actor_options(peer_npus, torch.get_num_threads()), peer_name=peer_name)
     else:
         rollout = RolloutEngine(lm, engine_config)
     return RolloutServicer(rollout, weights_fingerprint=weights_fingerprint,

@@ -27,6 +27,7 @@ import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.parallel.mirrored import PeerFailed
 from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc
 from onpolicy.services.common.convert import completion_to_proto, kernel_config_to_proto, weights_ref_from_proto
@@ -121,6 +122,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 engine.update_weights(state, ref.version)
             except ValueError as e:  # names or shapes of another model: nothing was changed
                 raise InvalidArgument("weights", str(e)) from None
+            except PeerFailed as e:  # a parallel engine lost a rank: the service must be restarted
+                raise Unavailable(str(e)) from None
             # a parallel engine (onpolicy.parallel.mirrored) names the full weights, not rank 0's shard
             sha = getattr(engine, "weights_sha256", None) or weights_sha256(engine.lm.model.state_dict())
             engine.lm.weights_sha256 = sha

@@ -50,7 +50,7 @@ def test_dead_peer_is_named_and_peers_end(ray_cluster: None, load_tiny: Callable
     par.add_request(PROMPTS[0], PARAMS)
     with pytest.raises(PeerFailed, match="rollout rank 1 of 2 failed"):
         par.step()
-    assert par.peers == []
+    assert par.peers == [] and par.failed.startswith("rollout rank 1 of 2 failed")
 
 
 def test_job_spec_degrees_reach_the_rollout_engine(ray_cluster: None, tiny_paths: object) -> None:
