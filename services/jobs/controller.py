@@ -52,8 +52,33 @@ def check_supported(spec: JobSpec) -> None:
         bad += [(f"parallel.rollout.{name}", f"{name}={value}: the {spec.rollout.engine} engine runs its own "
                  "parallelism; parallel.rollout degrees apply to the onpolicy engine only (only 1 is supported)")
                 for name in ("tp", "ep") if (value := getattr(spec.parallel.rollout, name)) > 1]
+    rollout = spec.parallel.rollout
+    if not bad and spec.rollout.engine == OWN_ENGINE and (rollout.tp > 1 or rollout.ep > 1):
+        bad += _model_admits(spec.model, rollout.tp, rollout.ep)
     if bad:
         raise SpecError(bad)
+
+
+def _model_admits(model: str, tp: int, ep: int) -> list[tuple[str, str]]:
+    """The rollout degrees the model's shapes refuse (``onpolicy.parallel.layout.check_degrees``), for
+    a model whose config is readable here (built-in tiny models, HF directories); others (GGUF, a path
+    only the cluster has) are checked when the rollout service starts."""
+    import json
+
+    from onpolicy.kernels import KernelConfig
+    from onpolicy.models.config import ModelConfig
+    from onpolicy.models.tiny import SPECS, tiny_checkpoint
+    from onpolicy.parallel.layout import check_degrees
+
+    config = (tiny_checkpoint(model) if model in SPECS else Path(model)) / "config.json"
+    if not config.is_file():
+        return []
+    try:
+        check_degrees(ModelConfig.from_hf(json.loads(config.read_text())), tp, ep, KernelConfig().reduce_chunks)
+    except ValueError as e:
+        name = "ep" if str(e).startswith("ep=") else "tp"
+        return [(f"parallel.rollout.{name}", f"{e} (model {model})")]
+    return []
 
 
 class _Job:
