@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.checkpoint import LoadedModel, weights_sha256
 from onpolicy.parallel.mirrored import MirroredRolloutEngine, PeerFailed
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 
@@ -36,6 +36,7 @@ def test_mirrored_rollout_equals_one_engine(ray_cluster: None, load_tiny: Callab
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
         single.update_weights(state, 1)
         par.update_weights(state, 1)
+        assert par.weights_sha256 == weights_sha256(state) != lm.weights_sha256  # the full weights, not a shard
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
 
 
