@@ -125,12 +125,11 @@ def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, r
     qd, pos, rows = group_queries(q, batch, hkv, row_tile)
     s, _, r_pad, _ = qd.shape
     chunk = max(row_tile, (_SCORE_BUDGET // max(1, s * hkv * length)) // row_tile * row_tile)
-    extra: Callable[[int], dict[str, Tensor]] = lambda r0: {}  # noqa: E731
+    extra: dict[str, Tensor] = {}
     if tile is tile_attention and chunk >= r_pad:  # one chunk: its causal mask serves every layer
-        mask = batch.memo(("causal", length, q.shape[1] // hkv, row_tile),
-                          lambda: torch.arange(length, device=q.device) > pos[..., None])
-        extra = lambda r0: {"mask": mask}  # noqa: E731
-    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile, **extra(r0))
+        extra["mask"] = batch.memo(("causal", length, q.shape[1] // hkv, row_tile),
+                                   lambda: torch.arange(length, device=q.device) > pos[..., None])
+    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile, **extra)
              for r0 in range(0, r_pad, chunk)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return ungroup(out.to(q.dtype), batch, rows, batch.num_rows)

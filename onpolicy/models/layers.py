@@ -106,7 +106,6 @@ class Attention(nn.Module):
         o = ops.attention(q, ctx.kv(self.layer, k, v), ctx.batch, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim), ops)
 
-
     def _kv(self, proj: Linear, x: Tensor, ops: Backend) -> Tensor:
         if self.kv_slice is None:
             return proj(x, ops)

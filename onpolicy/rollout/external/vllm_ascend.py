@@ -1,6 +1,6 @@
 """``VllmAscendEngine``: vllm-ascend as the rollout service's engine (job spec ``rollout.engine:
 vllm-ascend``) — optional, behind the ``vllm-ascend`` extra and image, and **unverified until the
-NPU suite (tests/vllm_ascend, marker ``npu``) has run on an Atlas box** (docs/ascend.md).
+NPU suite (tests/external_engine, marker ``npu``) has run on an Atlas box** (docs/ascend.md).
 
 It offers what the rollout service drives on our ``RolloutEngine`` — ``validate``, ``add_request``,
 ``step``, ``has_unfinished``, ``generate``, ``update_weights``, ``weight_version``, ``stats``, ``lm`` —

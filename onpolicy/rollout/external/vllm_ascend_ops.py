@@ -18,7 +18,7 @@ registrations:
   temperature 1 (vLLM has already divided the fp32 logits by the temperature).
 
 Everything but ``OnpolicyWorkerExtension`` and :func:`install` is plain torch on our ``Backend``
-interface and is tested on CPU with the reference backend (``tests/vllm_ascend``). Nothing here
+interface and is tested on CPU with the reference backend (``tests/external_engine``). Nothing here
 imports vllm, vllm_ascend or torch_npu at module import. Unverified on hardware: see docs/ascend.md.
 """
 
