@@ -30,7 +30,11 @@ DEFAULT_TIMEOUT_S = 120.0
 
 
 def init_loopback(rank: int, world: int, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the gloo world of ``world`` ranks rendezvousing on ``127.0.0.1:port``."""
+    """Join the gloo world of ``world`` ranks rendezvousing on ``127.0.0.1:port``. A process joins one
+    world at most: a rank of a parallel engine needs its own process."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a torch.distributed group; a parallel engine's rank needs "
+                           "its own process")
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

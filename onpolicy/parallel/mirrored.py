@@ -16,7 +16,6 @@ them when that process (the rollout service's actor) dies: no orphan ranks.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import secrets
 from collections.abc import Callable, Iterable
@@ -32,27 +31,11 @@ from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingPa
 from .groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
 from .launch import free_port
 from .layout import Layout, check_degrees
-
-Loader = Callable[[str, KernelConfig], LoadedModel]
-"""Loads a model reference on an operator set (e.g. ``onpolicy.services.common.model.load_certified``)."""
+from .peers import Loader, end_peers, load_uncertified, start_peers
 
 
 class PeerFailed(RuntimeError):
     """A peer rank of a parallel engine failed or died; the engine has ended every peer."""
-
-
-def _load(model: str, kernel_config: KernelConfig) -> LoadedModel:
-    from onpolicy.kernels import get_backend
-    from onpolicy.models.registry import load_model
-
-    return load_model(model, get_backend(kernel_config))
-
-
-def _join(layout: Layout, port: int, timeout_s: float) -> None:
-    if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed group; a parallel engine's rank needs "
-                           "its own process")
-    init_loopback(layout.rank, layout.world, port, timeout_s)
 
 
 def _failure(rank: int, world: int, e: BaseException) -> str:
@@ -69,8 +52,8 @@ class RolloutPeer:
 
         ray_env()
         torch.set_num_threads(threads)
-        lm = (loader or _load)(model, kernel_config)
-        _join(layout, port, timeout_s)
+        lm = (loader or load_uncertified)(model, kernel_config)
+        init_loopback(layout.rank, layout.world, port, timeout_s)
         self.engine = RolloutEngine(shard_model(lm, model_parallel(layout)), config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int) -> None:
@@ -101,8 +84,6 @@ class MirroredRolloutEngine(RolloutEngine):
                  model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
                  peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  peer_name: str = "") -> None:
-        import ray
-
         kernel_config = lm.model.ops.config
         check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
         self.world = math.lcm(tp, ep)
@@ -113,16 +94,15 @@ class MirroredRolloutEngine(RolloutEngine):
         """Why the engine is unusable (a peer failed), "" while it runs."""
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
-        remote = ray.remote(RolloutPeer)
         tag = f"{peer_name}-{secrets.token_hex(3)}" if peer_name else ""
-        self.peers = [remote.options(max_restarts=0, **({"name": f"{tag}-rank{rank}"} if tag else {}),
-                                     **(peer_options or {"num_cpus": threads})).remote(
-            Layout(tp, ep, rank, self.world), port, model_ref, kernel_config, config, threads, timeout_s, loader)
-            for rank in range(1, self.world)]
+        self.peers = start_peers(
+            RolloutPeer, self.world, lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config,
+                                                   config, threads, timeout_s, loader),
+            peer_options or {"num_cpus": threads}, (lambda rank: f"{tag}-rank{rank}") if tag else None)
         try:
             layout = Layout(tp, ep, 0, self.world)
             if self.world > 1:
-                _join(layout, port, timeout_s)
+                init_loopback(layout.rank, layout.world, port, timeout_s)
             super().__init__(shard_model(lm, model_parallel(layout)), config)
             self._mirror("ready")
             self._settle()
@@ -200,11 +180,7 @@ class MirroredRolloutEngine(RolloutEngine):
         self.weights_sha256 = weights_sha256({k: v.to(dtype) for k, v in state.items()})
 
     def close(self) -> None:
-        import ray
-
-        for p in getattr(self, "peers", []):
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(p)
+        end_peers(getattr(self, "peers", []))
         self.peers = []
         self._pending = []
         if dist.is_initialized():

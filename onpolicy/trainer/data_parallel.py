@@ -20,7 +20,7 @@ rank 0's count): per-unit kernels are then the same computation on every rank an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,22 +31,12 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.parallel.groups import init_loopback
 from onpolicy.parallel.launch import free_port
+from onpolicy.parallel.peers import Loader, end_peers, load_uncertified, start_peers
 
 from .checkpoint import CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
 from .engine import TrainerEngine
 from .reduction import Grads, check_degree
-
-Loader = Callable[[str, KernelConfig], LoadedModel]
-"""Loads a model reference on an operator set (e.g. ``onpolicy.services.common.model.load_certified``)."""
-
-
-def load_model(model: str, kernel_config: KernelConfig) -> LoadedModel:
-    """The default peer loader: the model on ``kernel_config``'s backend, uncertified."""
-    from onpolicy.kernels import get_backend
-    from onpolicy.models.registry import load_model as load
-
-    return load(model, get_backend(kernel_config))
 
 
 class ReplicaDivergence(RuntimeError):
@@ -58,9 +48,6 @@ class GlooExchange:
     (``onpolicy.parallel.groups.init_loopback``, a timeout on every collective)."""
 
     def __init__(self, rank: int, size: int, port: int, timeout_s: float = 300.0) -> None:
-        if dist.is_initialized():
-            raise RuntimeError("this process already has a torch.distributed group; a data-parallel rank needs "
-                               "its own process (a DataParallelWorker actor)")
         init_loopback(rank, size, port, timeout_s)
         self.rank, self.size = rank, size
 
@@ -103,7 +90,7 @@ class DataParallelWorker:
 
         ray_env()
         torch.set_num_threads(threads)
-        lm = (loader or load_model)(model, kernel_config)
+        lm = (loader or load_uncertified)(model, kernel_config)
         self.exchange = GlooExchange(rank, size, port, timeout_s)
         self.engine = TrainerEngine(lm, trainer_config, self.exchange)
 
@@ -135,16 +122,14 @@ class DataParallelEngine(TrainerEngine):
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int, model_ref: str,
                  loader: Loader | None = None, threads_per_worker: int | None = None,
                  peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0) -> None:
-        import ray
-
         check_degree(degree)
         self.timeout_s = timeout_s
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
-        remote = ray.remote(DataParallelWorker)
-        self.peers = [remote.options(max_restarts=0, **(peer_options or {"num_cpus": threads})).remote(
-            rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader)
-            for rank in range(1, degree)]
+        self.peers = start_peers(
+            DataParallelWorker, degree,
+            lambda rank: (rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader),
+            peer_options or {"num_cpus": threads})
         try:
             exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None
             super().__init__(lm, config, exchange)
@@ -199,11 +184,7 @@ class DataParallelEngine(TrainerEngine):
         return self._get([p.state_dict.remote() for p in self.peers])
 
     def close(self) -> None:
-        import ray
-
-        for p in getattr(self, "peers", []):
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(p)
+        end_peers(getattr(self, "peers", []))
         self.peers = []
         exchange = getattr(self, "exchange", None)
         if isinstance(exchange, GlooExchange):
