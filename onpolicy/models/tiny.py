@@ -79,7 +79,13 @@ def _build(name: str, dest: Path) -> None:
     config = getattr(transformers, f"{cls_name}Config")(**kwargs)
     torch.manual_seed(SEED)
     model = getattr(transformers, f"{cls_name}ForCausalLM")(config).float()
+    # transformers writes nothing from a torch.distributed rank other than 0, and a parallel engine's
+    # peer rank may be the first process to build a tiny model: this build always writes.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(dest)
+    missing = [f for f in ("config.json", "model.safetensors") if not (dest / f).is_file()]
+    if missing:
+        raise RuntimeError(f"building {name}: transformers did not write {', '.join(missing)}")
     byte_tokenizer().save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=1))
