@@ -46,8 +46,12 @@ class RoleOptions:
     trainer_dp: int = 1
     """Trainer: data-parallel ranks; the service is rank 0, its peers are Ray actors it starts
     (``onpolicy.trainer.data_parallel``)."""
+    trainer_tp: int = 1
+    """Trainer: tensor-parallel degree (``onpolicy.trainer.model_parallel``; not with ``trainer_dp`` > 1)."""
+    trainer_ep: int = 1
+    """Trainer: expert-parallel degree (MoE models)."""
     trainer_dp_npus: int = 0
-    """Trainer: NPUs each data-parallel peer requests (as many as the trainer itself)."""
+    """Trainer: NPUs each peer rank (data, tensor or expert parallel) requests (as many as the trainer itself)."""
 
     @property
     def kernel_config(self) -> KernelConfig:
@@ -91,7 +95,7 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
         from .trainer.service import build_trainer_service
 
         servicer = build_trainer_service(opts.model, opts.kernel_config, data_parallel=opts.trainer_dp,
-                                         peer_npus=opts.trainer_dp_npus)
+                                         tp=opts.trainer_tp, ep=opts.trainer_ep, peer_npus=opts.trainer_dp_npus)
         return servicer, api.trainer_pb2_grpc.add_TrainerServiceServicer_to_server
     if role == "verifier":
         from .verifier.service import build_verifier_service

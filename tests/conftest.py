@@ -17,6 +17,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -101,3 +102,37 @@ def job_service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> 
     channel.close()
     controller.shutdown()
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def rollout_batches(load_tiny: Callable[..., Any]) -> Callable[[str], list[list[Any]]]:
+    """``rollout_batches(model)``: two global batches of real rollouts of a tiny model (8 samples each,
+    ``TrainSample`` s), rewarded by the share of even token ids; built once per model."""
+    from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from onpolicy.trainer.config import TrainSample
+    from onpolicy.trainer.grpo import group_advantages
+
+    built: dict[str, list[list[Any]]] = {}
+
+    def make(model: str) -> list[list[Any]]:
+        if model not in built:
+            lm = load_tiny(model)
+            out = []
+            for seed in (3, 4):
+                comps = RolloutEngine(lm, EngineConfig(kv_cache_tokens=1024)).generate(
+                    [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7, 9, 11, 13, 15], [8, 6]],
+                    SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=seed, ignore_eos=True))
+                rewards = [sum(t % 2 == 0 for t in c.token_ids) / len(c.token_ids) for c in comps]
+                out.append([TrainSample(prompt_ids=c.prompt_ids, token_ids=c.token_ids, old_logprobs=c.logprobs,
+                                        advantage=a, temperature=c.temperature)
+                            for c, a in zip(comps, group_advantages(rewards, 2), strict=True)])
+            built[model] = out
+        return built[model]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def batches(rollout_batches: Callable[[str], list[list[Any]]]) -> list[list[Any]]:
+    """``rollout_batches("tiny-qwen3")``."""
+    return rollout_batches("tiny-qwen3")

@@ -1,6 +1,7 @@
 """Checkpoint loading: HF directories (config.json + safetensors, sharded index) and GGUF files,
 into a ``CausalLM`` on a given backend, plus the weight checksum every service reports, and the
-tensor/expert-parallel slicing of a full state dict (``shard_state_dict``)."""
+tensor/expert-parallel model built from a full state dict (``shard_model``; the slicing rule is
+``onpolicy.models.sharding``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from onpolicy.kernels import Backend
-from onpolicy.parallel.layout import ModelParallel, head_shard
+from onpolicy.parallel.layout import ModelParallel
 
 from .causal_lm import CausalLM
 from .config import ModelConfig
+from .sharding import shard_state_dict
 from .tokenizer import Tokenizer
 
 
@@ -91,53 +93,6 @@ def read_hf_tokenizer(path: Path, config: dict) -> Tokenizer | None:
         if isinstance(eos_tok, str) and inner.token_to_id(eos_tok) is not None:
             eos.append(inner.token_to_id(eos_tok))
     return Tokenizer(inner, template, tuple(eos))
-
-
-_ROW = ("o_proj", "down_proj")
-
-
-def shard_state_dict(state: dict[str, Tensor], cfg: ModelConfig, par: ModelParallel) -> dict[str, Tensor]:
-    """This rank's slice of a full (HF-named) state dict under ``par``: attention heads and dense
-    MLP columns split over the TP group (``q/k/v/gate/up`` by output rows, ``o_proj``/``down_proj`` by
-    input columns; ``k/v_proj`` whole when the TP degree exceeds the KV heads), experts split
-    contiguously over the EP group (names keep the global expert id), everything else replicated.
-    Sliced tensors are contiguous copies; the rest are the input tensors themselves."""
-    tp, ep = par.tp, par.ep
-    if tp.degree == 1 and ep.degree == 1:
-        return state
-    heads = head_shard(cfg, tp.degree, tp.index)
-    d = cfg.head_dim
-    q = slice(heads.q_start * d, (heads.q_start + heads.q_count) * d)
-    kv = slice(heads.kv_start * d, (heads.kv_start + heads.kv_count) * d)
-    per = cfg.num_experts // ep.degree if cfg.num_experts else 0
-    mine = range(ep.index * per, (ep.index + 1) * per)
-    out: dict[str, Tensor] = {}
-    for name, t in state.items():
-        parts = name.split(".")
-        if "experts" in parts:
-            if int(parts[parts.index("experts") + 1]) in mine:
-                out[name] = t
-            continue
-        module = parts[-2] if len(parts) >= 2 else ""
-        is_weight = parts[-1] == "weight"
-        if module in ("q_proj", "o_proj"):
-            cols = q
-        elif module in ("k_proj", "v_proj"):
-            if tp.degree > cfg.num_kv_heads:  # replicated whole; the layer slices its KV head
-                out[name] = t
-                continue
-            cols = kv
-        elif module in ("gate_proj", "up_proj", "down_proj"):
-            width = cfg.intermediate_size // tp.degree
-            cols = slice(tp.index * width, (tp.index + 1) * width)
-        else:
-            out[name] = t
-            continue
-        if module in _ROW:
-            out[name] = t[:, cols].contiguous() if is_weight else t  # a row-parallel bias is added once
-        else:
-            out[name] = t[cols].contiguous()
-    return out
 
 
 def shard_model(lm: LoadedModel, par: ModelParallel) -> LoadedModel:

@@ -31,7 +31,7 @@ from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingPa
 from .groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
 from .launch import free_port
 from .layout import Layout, check_degrees
-from .peers import Loader, end_peers, load_uncertified, start_peers
+from .peers import Loader, end_peers, sharded_peer_model, start_peers
 
 
 class PeerFailed(RuntimeError):
@@ -48,13 +48,8 @@ class RolloutPeer:
 
     def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
                  config: EngineConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
-        from onpolicy.services.cluster.local_ray import ray_env
-
-        ray_env()
-        torch.set_num_threads(threads)
-        lm = (loader or load_uncertified)(model, kernel_config)
-        init_loopback(layout.rank, layout.world, port, timeout_s)
-        self.engine = RolloutEngine(shard_model(lm, model_parallel(layout)), config)
+        self.engine = RolloutEngine(sharded_peer_model(layout, port, model, kernel_config, threads, timeout_s, loader),
+                                    config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int) -> None:
         self.engine.add_request(prompt_ids, params, prompt_index)

@@ -4,8 +4,10 @@ PPO-clip steps with AdamW, atomic verified checkpoints and versioned weight expo
 ``forward`` — ``ScoredSequence``, ``sequence_logprobs``; ``grpo`` — ``group_advantages``,
 ``policy_loss``; ``config`` — ``TrainSample``, ``LossConfig``, ``OptimizerConfig``, ``StepStats``;
 ``engine`` — ``TrainerEngine``; ``checkpoint`` — ``save_checkpoint``, ``load_checkpoint``;
-``reduction`` — the canonical gradient tree; ``data_parallel`` — ``DataParallelEngine`` (ranks as Ray
-actors, bitwise one worker's weights).
+``reduction`` — the canonical gradient tree; ``ranks`` — rank 0 and peer ranks (Ray actors) of a
+multi-rank trainer; ``data_parallel`` — ``DataParallelEngine`` (bitwise one worker's weights);
+``model_parallel`` — ``ModelParallelEngine`` (tensor/expert-parallel shards); ``shards`` — the
+sharded gradient-norm clip and optimizer state in the unsharded layout.
 """
 
 from .checkpoint import CheckpointError, CheckpointState, load_checkpoint

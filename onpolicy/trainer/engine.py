@@ -30,6 +30,7 @@ from torch import Tensor
 
 from onpolicy.models.causal_lm import CausalLM
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.models.sharding import REPLICATED, placement, shard_state_dict, unshard_state_dict
 from onpolicy.weights import WeightsRef, export_weights
 
 from .checkpoint import CheckpointError, CheckpointState, save_checkpoint
@@ -37,6 +38,17 @@ from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, Train
 from .forward import ScoredSequence, pack, pack_logprobs, sequence_logprobs
 from .grpo import LossStats, policy_loss
 from .reduction import GradientExchange, Grads, Solo, fold_levels, fold_tree, unit_range
+from .shards import (
+    NamedState,
+    clip_sharded_grad_norm,
+    full_parameters,
+    indexed_state,
+    is_sharded,
+    named_state,
+    rank_parameter_names,
+    shard_optimizer_state,
+    unshard_optimizer_state,
+)
 
 
 @contextlib.contextmanager
@@ -63,6 +75,17 @@ def minibatch_slices(n: int, minibatches: int) -> list[range]:
 
 _UnitStats = tuple[float, LossStats, float]
 """A unit's loss value, its loss statistics and its max |new - old| logprob (0 when not tracked)."""
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """One rank's part of what a checkpoint holds: weights, per-name AdamW state and its
+    hyperparameters (``None``: no optimizer yet), the KL reference's weights (``None``: none)."""
+
+    model: dict[str, Tensor]
+    optimizer: NamedState | None
+    hyper: dict[str, object]
+    reference: dict[str, Tensor] | None
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,9 @@ class TrainerEngine:
         self.step = 0
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._sha: tuple[int, str] = (0, lm.weights_sha256)
+        self.full_parameters = full_parameters(self.model)
+        """Name -> shape of the unsharded model's parameters (what checkpoints and exports hold)."""
+        self._rank_names: list[list[str]] | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -109,8 +135,17 @@ class TrainerEngine:
     def weights_sha256(self) -> str:
         """Checksum of the current weights (``onpolicy.models.checkpoint.weights_sha256``), cached per step."""
         if self._sha[0] != self.step:
-            self._sha = (self.step, weights_sha256(self.model.state_dict()))
+            self._sha = (self.step, weights_sha256(self.full_state_dict()))
         return self._sha[1]
+
+    def replica_sha256(self) -> str:
+        """Checksum of what every rank of a multi-rank trainer must hold identically: all weights, or
+        on a sharded model its replicated ones (embedding, norms, router, LM head)."""
+        if not is_sharded(self.model):
+            return self.weights_sha256
+        tp = self.model.parallel.tp.degree
+        return weights_sha256({n: t for n, t in self.model.state_dict().items()
+                               if placement(n, self.model.config, tp) == REPLICATED})
 
     # ------------------------------------------------------------------ forward
     def compute_logprobs(self, seqs: Sequence[ScoredSequence], pack_tokens: int | None = None) -> list[Tensor]:
@@ -142,8 +177,9 @@ class TrainerEngine:
         return self.reference
 
     def _clone_model(self, state: dict[str, Tensor]) -> CausalLM:
+        """A frozen model of this engine's layout on ``state`` (this rank's shard)."""
         with torch.device("meta"):
-            ref = CausalLM(self.model.config, self.model.ops)
+            ref = CausalLM(self.model.config, self.model.ops, self.model.parallel)
         ref.load_state_dict({k: v.to(self.model.device, self.model.dtype) for k, v in state.items()}, assign=True)
         ref.rope_cos, ref.rope_sin = self.model.rope_cos, self.model.rope_sin
         return ref.requires_grad_(False)
@@ -182,6 +218,15 @@ class TrainerEngine:
         value.backward()
         stats.append((float(value.detach()), st, float((new.detach() - old).abs().max()) if track_diff else 0.0))
         return self._take_grads()
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to a total 2-norm of ``max_norm``; the total norm (on a sharded model,
+        of the whole gradient, agreed by every rank: ``onpolicy.trainer.shards``)."""
+        if is_sharded(self.model):
+            if self._rank_names is None:
+                self._rank_names = rank_parameter_names(self.model)
+            return clip_sharded_grad_norm(self.model, max_norm, list(self.full_parameters), self._rank_names)
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=False))
 
     def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
                    recompute_old: bool = False) -> StepStats:
@@ -240,8 +285,7 @@ class TrainerEngine:
                         first_diff = max(first_diff, diff)
                         for k in weighted:
                             weighted[k] += getattr(st, k) * st.tokens
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                        self.params, opt.grad_clip if opt.grad_clip > 0 else math.inf, foreach=False))
+                    grad_norm = self._clip_grad_norm(opt.grad_clip if opt.grad_clip > 0 else math.inf)
                     if not math.isfinite(grad_norm):
                         optimizer.zero_grad(set_to_none=True)
                         if losses:  # earlier updates changed the weights: they are a new version
@@ -265,48 +309,85 @@ class TrainerEngine:
             recompute_seconds=recompute_seconds, updates=len(losses))
 
     # ------------------------------------------------------------------ weights out
+    def local_state(self) -> LocalState:
+        """This rank's weights, optimizer state and reference (detached, not copied)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        opt, hyper = (None, {}) if self.optimizer is None else named_state(self.optimizer.state_dict(), names)
+        return LocalState(self.model.state_dict(), opt, hyper,
+                          None if self.reference is None else self.reference.state_dict())
+
+    def rank_states(self) -> list[LocalState]:
+        """Every rank's ``local_state`` in rank order (one rank: this engine's)."""
+        return [self.local_state()]
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded weights (this engine's own ``state_dict`` unless it is one shard of several)."""
+        if not is_sharded(self.model):
+            return self.model.state_dict()
+        return self._unshard([s.model for s in self.rank_states()])
+
+    def _unshard(self, parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        par = self.model.parallel
+        return unshard_state_dict(parts, self.model.config, par.tp.degree, par.ep.degree, list(self.full_parameters))
+
     def state_dict_for_rollout(self) -> dict[str, Tensor]:
         """A detached copy of the weights in the compute dtype (what ``RolloutEngine.update_weights`` takes)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.full_state_dict().items()}
 
     def export_weights(self, directory: str | Path) -> WeightsRef:
         """Write ``weights-v{step}.safetensors`` atomically under ``directory`` and return its reference."""
-        return export_weights(self.model.state_dict(), directory, self.step, self.kernel_fingerprint, self.lm.name)
+        return export_weights(self.full_state_dict(), directory, self.step, self.kernel_fingerprint, self.lm.name)
 
     # ------------------------------------------------------------------ checkpoints
     def rng_state(self) -> dict[str, object]:
         return {"torch": torch.get_rng_state(), "python": random.getstate(), "engine": self.generator.get_state()}
 
     def save_checkpoint(self, directory: str | Path, extra_json: str = "{}") -> Path:
-        """Atomically write weights, optimizer, reference, RNG states, step and ``extra_json``."""
+        """Atomically write weights, optimizer, reference, RNG states, step and ``extra_json`` — in the
+        unsharded layout whatever this engine's degrees (any degree restores it)."""
+        if not is_sharded(self.model):
+            model, reference = self.model.state_dict(), None if self.reference is None else self.reference.state_dict()
+            optimizer = None if self.optimizer is None else self.optimizer.state_dict()
+        else:
+            parts = self.rank_states()
+            model = self._unshard([p.model for p in parts])
+            reference = None if parts[0].reference is None else self._unshard([p.reference or {} for p in parts])
+            optimizer = None
+            if parts[0].optimizer is not None:
+                names = list(self.full_parameters)
+                full = unshard_optimizer_state([p.optimizer or {} for p in parts], self.model, names)
+                optimizer = indexed_state(full, parts[0].hyper, names)
         state = CheckpointState(
             step=self.step, model_name=self.lm.name, kernel_fingerprint=self.kernel_fingerprint,
-            model=self.model.state_dict(), optimizer=None if self.optimizer is None else self.optimizer.state_dict(),
-            rng=self.rng_state(), extra_json=extra_json or "{}",
-            reference=None if self.reference is None else self.reference.state_dict())
+            model=model, optimizer=optimizer, rng=self.rng_state(), extra_json=extra_json or "{}", reference=reference)
         return save_checkpoint(directory, state)
 
     def restore(self, state: CheckpointState) -> None:
-        """Continue from ``state`` exactly: weights, optimizer moments, reference, RNG, step."""
+        """Continue from ``state`` exactly: weights, optimizer moments, reference, RNG, step (a sharded
+        engine keeps its shard of each)."""
         if state.kernel_fingerprint != self.kernel_fingerprint:
             raise CheckpointError(f"checkpoint was written under kernel fingerprint {state.kernel_fingerprint!r}, "
                                   f"this engine runs {self.kernel_fingerprint!r}")
-        params = dict(self.model.named_parameters())
-        if set(state.model) != set(params):
+        full = self.full_parameters
+        if set(state.model) != set(full):
             raise CheckpointError(f"checkpoint weights do not match model {self.lm.name!r} "
-                                  f"(differing names: {sorted(set(state.model) ^ set(params))[:3]})")
-        for name, p in params.items():
-            if tuple(state.model[name].shape) != tuple(p.shape):
+                                  f"(differing names: {sorted(set(state.model) ^ set(full))[:3]})")
+        for name, shape in full.items():
+            if tuple(state.model[name].shape) != shape:
                 raise CheckpointError(f"checkpoint {name} has shape {tuple(state.model[name].shape)}, "
-                                      f"model has {tuple(p.shape)}")
+                                      f"model has {shape}")
+        mine = shard_state_dict(state.model, self.model.config, self.model.parallel)
         with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state.model[name].to(p.dtype))
+            for name, p in self.model.named_parameters():
+                p.copy_(mine[name].to(p.dtype))
         self.optimizer = None
         if state.optimizer is not None:
+            named, hyper = named_state(state.optimizer, list(full))
             self.optimizer = torch.optim.AdamW(self.params, lr=1.0, foreach=False)
-            self.optimizer.load_state_dict(state.optimizer)
-        self.reference = None if state.reference is None else self._clone_model(state.reference)
+            self.optimizer.load_state_dict(indexed_state(shard_optimizer_state(named, self.model), hyper,
+                                                         [n for n, _ in self.model.named_parameters()]))
+        self.reference = None if state.reference is None else self._clone_model(
+            shard_state_dict(state.reference, self.model.config, self.model.parallel))
         torch.set_rng_state(state.rng["torch"])
         random.setstate(state.rng["python"])
         self.generator.set_state(state.rng["engine"])

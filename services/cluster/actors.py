@@ -107,6 +107,7 @@ def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str =
                        weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir,
                        engine=spec.rollout.engine if role == "rollout" else "onpolicy",
                        trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus,
+                       trainer_tp=spec.parallel.trainer.tp, trainer_ep=spec.parallel.trainer.ep,
                        rollout_tp=spec.parallel.rollout.tp, rollout_ep=spec.parallel.rollout.ep,
                        rollout_npus=spec.resources_for("rollout").npus)
     if role == "verifier":  # the verifier records the rollout's kernels with the samples it stores

@@ -39,30 +39,33 @@ class ServiceLauncher(Protocol):
 
 
 def check_supported(spec: JobSpec) -> None:
-    """Refuse (``SpecError`` naming the field) the parallel degrees the role services do not run yet,
-    rather than ignore them: the trainer's tensor and expert parallel (``parallel.trainer.tp``,
-    ``parallel.trainer.ep`` > 1), and rollout tp/ep > 1 on an external engine. The rollout's tp/ep
-    (``onpolicy.parallel.mirrored``) and the trainer's data-parallel degree
-    (``onpolicy.trainer.data_parallel``) are run."""
-    bad = [(f"parallel.trainer.{name}", f"{name}={value}: the trainer service runs one model replica per rank; "
-            "tensor and expert parallel training is not wired into the services yet (only 1 is supported; "
-            "use parallel.trainer.dp)")
-           for name in ("tp", "ep") if (value := getattr(spec.parallel.trainer, name)) > 1]
+    """Refuse (``SpecError`` naming the field) the parallel degrees the role services do not run,
+    rather than ignore them: rollout tp/ep > 1 on an external engine, a trainer that is both data
+    parallel and tensor/expert parallel, and degrees the model's shapes do not divide. The rollout's
+    tp/ep (``onpolicy.parallel.mirrored``), the trainer's tp/ep (``onpolicy.trainer.model_parallel``)
+    and its data-parallel degree (``onpolicy.trainer.data_parallel``) are run."""
+    bad: list[tuple[str, str]] = []
     if spec.rollout.engine != OWN_ENGINE:
         bad += [(f"parallel.rollout.{name}", f"{name}={value}: the {spec.rollout.engine} engine runs its own "
                  "parallelism; parallel.rollout degrees apply to the onpolicy engine only (only 1 is supported)")
                 for name in ("tp", "ep") if (value := getattr(spec.parallel.rollout, name)) > 1]
+    trainer = spec.parallel.trainer
+    if trainer.dp > 1 and (trainer.tp > 1 or trainer.ep > 1):
+        bad.append(("parallel.trainer.dp", f"dp={trainer.dp} with tp={trainer.tp}, ep={trainer.ep}: the trainer runs "
+                    "data parallel or tensor/expert parallel, not both at once (set dp or tp and ep to 1)"))
     rollout = spec.parallel.rollout
     if not bad and spec.rollout.engine == OWN_ENGINE and (rollout.tp > 1 or rollout.ep > 1):
-        bad += _model_admits(spec.model, rollout.tp, rollout.ep)
+        bad += _model_admits(spec.model, "rollout", rollout.tp, rollout.ep)
+    if not bad and (trainer.tp > 1 or trainer.ep > 1):
+        bad += _model_admits(spec.model, "trainer", trainer.tp, trainer.ep)
     if bad:
         raise SpecError(bad)
 
 
-def _model_admits(model: str, tp: int, ep: int) -> list[tuple[str, str]]:
-    """The rollout degrees the model's shapes refuse (``onpolicy.parallel.layout.check_degrees``), for
-    a model whose config is readable here (built-in tiny models, HF directories); others (GGUF, a path
-    only the cluster has) are checked when the rollout service starts."""
+def _model_admits(model: str, role: str, tp: int, ep: int) -> list[tuple[str, str]]:
+    """The degrees of ``role`` the model's shapes refuse (``onpolicy.parallel.layout.check_degrees``),
+    for a model whose config is readable here (built-in tiny models, HF directories); others (GGUF, a
+    path only the cluster has) are checked when the role's service starts."""
     import json
 
     from onpolicy.kernels import KernelConfig
@@ -77,7 +80,7 @@ def _model_admits(model: str, tp: int, ep: int) -> list[tuple[str, str]]:
         check_degrees(ModelConfig.from_hf(json.loads(config.read_text())), tp, ep, KernelConfig().reduce_chunks)
     except ValueError as e:
         name = "ep" if str(e).startswith("ep=") else "tp"
-        return [(f"parallel.rollout.{name}", f"{e} (model {model})")]
+        return [(f"parallel.{role}.{name}", f"{e} (model {model})")]
     return []
 
 

@@ -74,25 +74,31 @@ def test_trainer_service_with_two_ranks_equals_one(ray_cluster: None, batches: l
     assert seen[2] == seen[1] and seen[2][1] == 2
 
 
-def test_spec_dp_reaches_the_trainer_role() -> None:
+def test_spec_degrees_reach_the_trainer_role() -> None:
     spec = parse_spec({"parallel": {"trainer": {"dp": 2}}, "resources": {"trainer": {"npus": 2}}})
     opts = role_options(spec, "trainer")
     assert (opts["trainer_dp"], opts["trainer_dp_npus"]) == (2, 2)
+    opts = role_options(parse_spec({"model": "tiny-qwen3-moe", "parallel": {"trainer": {"tp": 2, "ep": 4}}}),
+                        "trainer")
+    assert (opts["trainer_tp"], opts["trainer_ep"], opts["trainer_dp"]) == (2, 4, 1)
 
 
-@pytest.mark.parametrize(("role", "name"), [("trainer", "tp"), ("trainer", "ep")])
-def test_job_service_refuses_degrees_it_does_not_run(tmp_path: Path, role: str, name: str) -> None:
+@pytest.mark.parametrize(("parallel", "field", "text"), [
+    ({"trainer": {"ep": 2}}, "spec.parallel.trainer.ep", "needs a mixture-of-experts model"),
+    ({"trainer": {"tp": 2, "dp": 2}}, "spec.parallel.trainer.dp", "not both at once"),
+])
+def test_job_service_refuses_degrees_it_does_not_run(tmp_path: Path, parallel: dict, field: str, text: str) -> None:
     controller = JobController(tmp_path, RayLauncher())
     try:
         with _served("onpolicy.v1.JobService", JobServicer(controller),
                      api.jobs_pb2_grpc.add_JobServiceServicer_to_server) as ch:
-            spec = parse_spec({"model": "tiny-qwen3", "parallel": {role: {name: 2}}})
+            spec = parse_spec({"model": "tiny-qwen3", "parallel": parallel})
             with pytest.raises(grpc.RpcError) as e:
                 api.jobs_pb2_grpc.JobServiceStub(ch).SubmitJob(
                     api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        (field, desc), = field_violations(e.value)
-        assert field == f"spec.parallel.{role}.{name}" and "not wired into the services yet" in desc
+        (got, desc), = field_violations(e.value)
+        assert got == field and text in desc
         assert controller.list() == []
     finally:
         controller.shutdown()

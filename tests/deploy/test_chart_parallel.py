@@ -19,10 +19,10 @@ def test_default_layout_renders_and_is_in_the_notes(render, profile: str) -> Non
 
 
 def test_a_layout_that_fits_the_npus_renders(render) -> None:
-    # default profile: 8 NPUs per trainer node, maxReplicas 2 -> 16 = dp 2 × tp 8
-    r = render(**{"parallel.trainer": {"tp": 8, "ep": 2, "dp": 2}, "ray.workers.trainer.maxReplicas": 2,
+    # default profile: 8 NPUs per trainer node, maxReplicas 2 -> 16 = tp 16
+    r = render(**{"parallel.trainer": {"tp": 16, "ep": 2, "dp": 1}, "ray.workers.trainer.maxReplicas": 2,
                   "parallel.rollout": {"tp": 8, "ep": 8}})
-    assert '"trainer":{"dp":2,"ep":2,"tp":8}' in r.notes
+    assert '"trainer":{"dp":1,"ep":2,"tp":16}' in r.notes
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -30,7 +30,9 @@ def test_a_layout_that_fits_the_npus_renders(render) -> None:
     ({"parallel.rollout.tp": 0}, r"parallel\.rollout\.tp must be a power of two"),
     ({"parallel.trainer.ep": 2048}, r"parallel\.trainer\.ep must be a power of two"),
     ({"parallel.trainer.dp": 2, "parallel.trainer.tp": 8},
-     r"parallel\.trainer needs 16 NPUs \(dp × max\(tp, ep\)\) but ray\.workers\.trainer offers 8"),
+     r"parallel\.trainer\.dp=2 cannot be combined with tp=8, ep=1"),
+    ({"parallel.trainer.tp": 16},
+     r"parallel\.trainer needs 16 NPUs \(max\(tp, ep\) or dp\) but ray\.workers\.trainer offers 8"),
     ({"parallel.rollout.ep": 16}, r"parallel\.rollout needs 16 NPUs .* ray\.workers\.rollout offers 8"),
 ])
 def test_bad_layouts_are_refused_naming_the_value(render, override: dict, message: str) -> None:

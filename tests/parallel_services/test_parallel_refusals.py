@@ -1,6 +1,6 @@
-"""What ``check_supported`` (SubmitJob) refuses among the parallel degrees, naming the field: trainer
-tp/ep (not wired), rollout degrees on an external engine, and rollout degrees the model's shapes do
-not admit; rollout tp/ep the model admits are accepted."""
+"""What ``check_supported`` (SubmitJob) refuses among the parallel degrees, naming the field: a trainer
+both data and tensor/expert parallel, rollout degrees on an external engine, and rollout or trainer
+degrees the model's shapes do not admit; degrees the model admits are accepted."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from onpolicy.services.jobs.controller import check_supported
 
 
 @pytest.mark.parametrize(("spec", "field", "text"), [
-    ({"parallel": {"trainer": {"tp": 2}}}, "parallel.trainer.tp", "not wired"),
-    ({"parallel": {"trainer": {"ep": 2}}, "model": "tiny-qwen3-moe"}, "parallel.trainer.ep", "not wired"),
+    ({"parallel": {"trainer": {"tp": 2, "dp": 2}}}, "parallel.trainer.dp", "not both at once"),
+    ({"parallel": {"trainer": {"ep": 2}}}, "parallel.trainer.ep", "needs a mixture-of-experts model"),
+    ({"parallel": {"trainer": {"tp": 64}}}, "parallel.trainer.tp", "tp=64"),
     ({"parallel": {"rollout": {"ep": 2}}}, "parallel.rollout.ep", "needs a mixture-of-experts model"),
     ({"parallel": {"rollout": {"tp": 64}}}, "parallel.rollout.tp", "tp=64"),
     ({"parallel": {"rollout": {"tp": 2}}, "rollout": {"engine": "vllm-ascend"}, "kernels": {"backend": "ascend"},
@@ -27,6 +28,8 @@ def test_refused_degrees_name_the_field(tiny_paths: object, spec: dict, field: s
 
 @pytest.mark.parametrize("spec", [{"parallel": {"rollout": {"tp": 2}}},
                                   {"model": "tiny-qwen3-moe", "parallel": {"rollout": {"tp": 2, "ep": 2}}},
-                                  {"parallel": {"trainer": {"dp": 2}}}])
+                                  {"parallel": {"trainer": {"dp": 2}}},
+                                  {"parallel": {"trainer": {"tp": 4}}},
+                                  {"model": "tiny-qwen3-moe", "parallel": {"trainer": {"tp": 2, "ep": 2}}}])
 def test_wired_degrees_are_accepted(tiny_paths: object, spec: dict) -> None:
     check_supported(parse_spec({"model": "tiny-qwen3", **spec}))

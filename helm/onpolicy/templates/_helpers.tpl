@@ -248,8 +248,8 @@ limits:
 {{- end -}}
 
 {{/* The parallel layout (values `parallel`) the worker groups are sized for: every degree a power of
-     two, and an NPU group big enough for it — the rollout needs max(tp, ep) NPUs, the trainer
-     dp × max(tp, ep) (dp ranks, each a whole model over max(tp, ep) ranks; docs/services.md). */}}
+     two, a trainer that is data parallel or tensor/expert parallel (not both), and an NPU group big
+     enough for it — max(tp, ep) NPUs per role, or dp for the trainer (docs/services.md). */}}
 {{- define "onpolicy.checkParallel" -}}
 {{- $p := .Values.parallel -}}
 {{- range $role, $names := dict "rollout" (list "tp" "ep") "trainer" (list "tp" "ep" "dp") -}}
@@ -260,11 +260,14 @@ limits:
 {{- fail (printf "parallel.%s.%s must be a power of two between 1 and 1024, got %v" $role $name $v) -}}
 {{- end -}}
 {{- end -}}
+{{- if and (gt (int (default 1 $degrees.dp)) 1) (gt (max (int $degrees.tp) (int $degrees.ep)) 1) -}}
+{{- fail (printf "parallel.%s.dp=%v cannot be combined with tp=%v, ep=%v: the trainer runs data parallel or tensor/expert parallel, not both" $role $degrees.dp $degrees.tp $degrees.ep) -}}
+{{- end -}}
 {{- $need := max (int $degrees.tp) (int $degrees.ep) | mul (int (default 1 $degrees.dp)) -}}
 {{- $g := index $.Values.ray.workers $role -}}
 {{- $has := mul (int (default 0 $g.npus)) (int $g.maxReplicas) -}}
 {{- if and $g.enabled (gt (int (default 0 $g.npus)) 0) (lt $has $need) -}}
-{{- fail (printf "parallel.%s needs %d NPUs (dp × max(tp, ep)) but ray.workers.%s offers %d (npus × maxReplicas)" $role $need $role $has) -}}
+{{- fail (printf "parallel.%s needs %d NPUs (max(tp, ep) or dp) but ray.workers.%s offers %d (npus × maxReplicas)" $role $need $role $has) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

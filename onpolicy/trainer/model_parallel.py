@@ -1,0 +1,96 @@
+"""Tensor- and expert-parallel training across Ray workers: ``ModelParallelEngine``.
+
+The trainer service's engine is rank 0 of ``world = lcm(tp, ep)`` ranks (``onpolicy.parallel.layout``;
+the peers are Ray actors, ``onpolicy.trainer.ranks``), each a ``TrainerEngine`` on its shard of the
+model (``shard_model``), all joined in one gloo world on loopback. A train step runs on every rank at
+once on the same global batch: the forward's collectives reduce row-parallel partials in the canonical
+chunk order (so the training-path logprobs are bitwise those of TP=1 and of any rollout degree), the
+backward gives each rank the gradient of its shard (replicated parameters get the same gradient on
+every rank), the gradient norm is agreed by all ranks (``onpolicy.trainer.shards``), and AdamW updates
+each shard with its own moments. The gradients equal TP=1's up to rounding (the backward's sums run in
+a different order), so weights after an update are not bitwise those of a TP=1 trainer — the
+logprobs every rank and every rollout computes from *given* weights are.
+
+``compute_logprobs`` is mirrored too (its forward runs collectives). Weights for the rollout,
+exports, checksums and checkpoints are the *unsharded* ones, gathered from the peers over Ray; a
+checkpoint holds the unsharded weights, AdamW moments and KL reference, so it restores at any degrees
+(``restore`` hands every rank the full state, each keeps its shard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from onpolicy.kernels import KernelConfig
+from onpolicy.models.checkpoint import LoadedModel, shard_model
+from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
+from onpolicy.parallel.launch import free_port
+from onpolicy.parallel.layout import Layout, check_degrees
+from onpolicy.parallel.peers import Loader, sharded_peer_model
+
+from .config import TrainerConfig
+from .engine import LocalState, TrainerEngine
+from .forward import ScoredSequence
+from .ranks import RankWorker, RankZeroEngine
+
+
+class ModelParallelWorker(RankWorker):
+    """Body of a peer rank's Ray actor: a ``TrainerEngine`` on this rank's shard, driven by rank 0."""
+
+    def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
+                 trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
+        self.engine = TrainerEngine(sharded_peer_model(layout, port, model, kernel_config, threads, timeout_s, loader),
+                                    trainer_config)
+
+
+class ModelParallelEngine(RankZeroEngine):
+    """Rank 0 of a ``tp`` x ``ep`` trainer (``world = lcm(tp, ep)`` ranks) over the full model ``lm``
+    (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
+    uncertified). Peers are Ray actors on the current cluster started with ``peer_options`` (default
+    ``{"num_cpus": threads}``). ``close()`` (or ``with``) ends them."""
+
+    kind = "model-parallel"
+
+    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
+                 model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
+                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        kernel_config = lm.model.ops.config
+        check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
+        self.world = math.lcm(tp, ep)
+        threads = threads_per_worker or torch.get_num_threads()
+        port = free_port()
+        self._start_peers(
+            ModelParallelWorker, self.world,
+            lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config, config, threads,
+                          timeout_s, loader),
+            peer_options or {"num_cpus": threads}, timeout_s)
+        try:
+            layout = Layout(tp, ep, 0, self.world)
+            if self.world > 1:
+                init_loopback(0, self.world, port, timeout_s)
+            super().__init__(shard_model(lm, model_parallel(layout)), config)
+            self._check_peers(self._get([p.replica_sha256.remote() for p in self.peers]), "at start")
+        except BaseException:
+            self.close()
+            raise
+
+    def compute_logprobs(self, seqs: Sequence[ScoredSequence], pack_tokens: int | None = None) -> list[Tensor]:
+        """Training-path logprobs, computed by every rank at once (rank 0's are returned)."""
+        seqs = list(seqs)
+        out, _ = self._mirrored("compute_logprobs", (seqs, pack_tokens),
+                                lambda: TrainerEngine.compute_logprobs(self, seqs, pack_tokens))
+        return out
+
+    def rank_states(self) -> list[LocalState]:
+        return [self.local_state(), *self._get([p.local_state.remote() for p in self.peers])]
+
+    def close(self) -> None:
+        super().close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,137 @@
+"""A trainer spread over ranks: rank 0 in the trainer service's process, ranks ``1..world-1`` as Ray
+actors (``onpolicy.parallel.peers``), every rank a ``TrainerEngine``. What the data-parallel trainer
+(``data_parallel``) and the tensor/expert-parallel trainer (``model_parallel``) share.
+
+Rank 0 mirrors every call that runs collectives or changes state — ``train_step``, ``restore`` (and,
+for a sharded model, ``compute_logprobs``) — to every peer, one object-store copy of the arguments
+read by all, then runs its own part; Ray runs one caller's calls to an actor in submission order, so
+the ranks meet in the same collectives. After a step or a restore rank 0 checks every peer's
+``replica_sha256`` (what every rank must hold identically) against its own: ``ReplicaDivergence``
+otherwise. A failed rank or collective ends every peer (they may be blocked in a collective); the
+engine is then unusable and the trainer service's actor restart brings a fresh world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from onpolicy.parallel.peers import end_peers, start_peers
+
+from .checkpoint import CheckpointState
+from .config import LossConfig, OptimizerConfig, StepStats, TrainSample
+from .engine import LocalState, TrainerEngine
+from .forward import ScoredSequence
+
+
+class ReplicaDivergence(RuntimeError):
+    """Ranks ended a step holding different replicated weights (a broken invariant, never expected)."""
+
+
+class RankWorker:
+    """Body of a peer rank's Ray actor; a subclass builds ``self.engine`` on this rank."""
+
+    engine: TrainerEngine
+
+    def train_step(self, samples: list[TrainSample], loss: LossConfig, opt: OptimizerConfig,
+                   recompute_old: bool) -> str:
+        """Run this rank's part of the step; the ``replica_sha256`` it ends with."""
+        self.engine.train_step(samples, loss, opt, recompute_old)
+        return self.engine.replica_sha256()
+
+    def compute_logprobs(self, seqs: list[ScoredSequence], pack_tokens: int | None) -> None:
+        self.engine.compute_logprobs(seqs, pack_tokens)
+
+    def restore(self, state: CheckpointState) -> str:
+        self.engine.restore(state)
+        return self.engine.replica_sha256()
+
+    def replica_sha256(self) -> str:
+        return self.engine.replica_sha256()
+
+    def local_state(self) -> LocalState:
+        return self.engine.local_state()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
+
+
+class RankZeroEngine(TrainerEngine):
+    """Rank 0 of ``world`` trainer ranks. A subclass calls ``_start_peers`` before joining the process
+    group (the peers join it concurrently), then ``TrainerEngine.__init__``, then ``_check_peers``."""
+
+    kind = "trainer"
+    peers: list[Any]
+    timeout_s: float
+
+    def _start_peers(self, worker: type[RankWorker], world: int, args: Callable[[int], Sequence[Any]],
+                     options: dict[str, Any], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.peers = start_peers(worker, world, args, options)
+
+    def _get(self, refs: list[Any]) -> list[Any]:
+        import ray
+
+        try:
+            return list(ray.get(refs, timeout=self.timeout_s))
+        except BaseException:
+            self.close()  # a failed rank leaves its peers blocked in a collective: end them all
+            raise
+
+    def _check_peers(self, shas: list[str], when: str) -> None:
+        mine = self.replica_sha256()
+        if any(sha != mine for sha in shas):
+            raise ReplicaDivergence(f"{self.kind} ranks hold different replicated weights {when}: rank 0 "
+                                    f"{mine[:12]}, " + ", ".join(f"rank {r}: {sha[:12]}"
+                                                                 for r, sha in enumerate(shas, start=1)))
+
+    def _mirrored(self, method: str, args: tuple[Any, ...], local: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """Call ``method(*args)`` on every peer, run ``local()`` (rank 0's part), then wait for the
+        peers; returns rank 0's result and the peers'. An error every rank raises alike (a refused
+        batch, a diverged step) is re-raised once the peers have raised it too."""
+        import ray
+
+        if not self.peers:
+            return local(), []
+        put = tuple(ray.put(a) if isinstance(a, list | CheckpointState) else a for a in args)
+        pending = [getattr(p, method).remote(*put) for p in self.peers]
+        try:
+            out = local()
+        except (ValueError, FloatingPointError):
+            with contextlib.suppress(Exception):
+                ray.get(pending, timeout=self.timeout_s)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        return out, self._get(pending)
+
+    def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
+                   recompute_old: bool = False) -> StepStats:
+        """``TrainerEngine.train_step`` on the global batch ``samples``, run by every rank at once."""
+        samples = list(samples)
+        stats, shas = self._mirrored("train_step", (samples, loss, opt, recompute_old),
+                                     lambda: super(RankZeroEngine, self).train_step(samples, loss, opt, recompute_old))
+        self._check_peers(shas, f"after step {self.step}")
+        return stats
+
+    def restore(self, state: CheckpointState) -> None:
+        _, shas = self._mirrored("restore", (state,), lambda: super(RankZeroEngine, self).restore(state))
+        self._check_peers(shas, f"restoring step {self.step}")
+
+    def peer_state_dicts(self) -> list[dict[str, Tensor]]:
+        """Every peer's own weights (ranks 1..world-1, in order; a shard each when sharded)."""
+        return self._get([p.state_dict.remote() for p in self.peers])
+
+    def close(self) -> None:
+        end_peers(getattr(self, "peers", []))
+        self.peers = []
+
+    def __enter__(self) -> RankZeroEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
