@@ -95,7 +95,8 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
         from .trainer.service import build_trainer_service
 
         servicer = build_trainer_service(opts.model, opts.kernel_config, data_parallel=opts.trainer_dp,
-                                         tp=opts.trainer_tp, ep=opts.trainer_ep, peer_npus=opts.trainer_dp_npus)
+                                         tp=opts.trainer_tp, ep=opts.trainer_ep, peer_npus=opts.trainer_dp_npus,
+                                         peer_name=f"onpolicy-{opts.job}-trainer" if opts.job else "")
         return servicer, api.trainer_pb2_grpc.add_TrainerServiceServicer_to_server
     if role == "verifier":
         from .verifier.service import build_verifier_service

@@ -17,12 +17,10 @@ them when that process (the rollout service's actor) dies: no orphan ranks.
 from __future__ import annotations
 
 import math
-import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel, shard_model, weights_sha256
@@ -31,16 +29,7 @@ from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingPa
 from .groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
 from .launch import free_port
 from .layout import Layout, check_degrees
-from .peers import Loader, end_peers, sharded_peer_model, start_peers
-
-
-class PeerFailed(RuntimeError):
-    """A peer rank of a parallel engine failed or died; the engine has ended every peer."""
-
-
-def _failure(rank: int, world: int, e: BaseException) -> str:
-    text = str(e).strip()
-    return f"rollout rank {rank} of {world} failed: {type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+from .peers import Loader, Peers, sharded_peer_model, start_peers
 
 
 class RolloutPeer:
@@ -84,83 +73,43 @@ class MirroredRolloutEngine(RolloutEngine):
         self.world = math.lcm(tp, ep)
         self.timeout_s = timeout_s
         self.weights_sha256 = lm.weights_sha256
-        self._pending: list[tuple[int, Any]] = []
-        self.failed = ""
-        """Why the engine is unusable (a peer failed), "" while it runs."""
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
-        tag = f"{peer_name}-{secrets.token_hex(3)}" if peer_name else ""
-        self.peers = start_peers(
+        self.peers = Peers("rollout", start_peers(
             RolloutPeer, self.world, lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config,
                                                    config, threads, timeout_s, loader),
-            peer_options or {"num_cpus": threads}, (lambda rank: f"{tag}-rank{rank}") if tag else None)
+            peer_options or {"num_cpus": threads}, peer_name), timeout_s)
         try:
             layout = Layout(tp, ep, 0, self.world)
             if self.world > 1:
                 init_loopback(layout.rank, layout.world, port, timeout_s)
             super().__init__(shard_model(lm, model_parallel(layout)), config)
-            self._mirror("ready")
-            self._settle()
+            self.peers.mirror("ready")
+            self.peers.settle()
         except BaseException:
             self.close()
             raise
 
-    # ---- mirroring -----------------------------------------------------------------------------
-    def _mirror(self, method: str, *args: Any) -> None:
-        self._pending += [(rank, getattr(p, method).remote(*args)) for rank, p in enumerate(self.peers, start=1)]
-
-    def _settle(self) -> None:
-        """Wait for every mirrored call; a peer's failure becomes ``PeerFailed`` (and ends every peer)."""
-        import ray
-
-        pending, self._pending = self._pending, []
-        for rank, ref in pending:
-            try:
-                ray.get(ref, timeout=self.timeout_s)
-            except BaseException as e:
-                raise self._lost(_failure(rank, self.world, e)) from e
-
-    def _local(self, fn: Callable[[], Any]) -> Any:
-        """Run rank 0's part of a mirrored call. If it fails, a failed peer is the likelier cause (a
-        lost rank breaks the collectives): name it when one has failed within a few seconds; either
-        way end the peers (they may be blocked in a collective)."""
-        import ray
-
-        try:
-            return fn()
-        except Exception as e:
-            pending, self._pending = self._pending, []
-            refs = [ref for _, ref in pending]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0) if refs else ([], [])
-            for rank, ref in pending:
-                if ref in ready:
-                    try:
-                        ray.get(ref, timeout=1.0)
-                    except BaseException as peer_error:
-                        raise self._lost(_failure(rank, self.world, peer_error)) from e
-            self._lost(f"rollout rank 0 of {self.world} failed: {type(e).__name__}: {e}")
-            raise
-
-    def _lost(self, why: str) -> PeerFailed:
-        self.failed = why
-        self.close()
-        return PeerFailed(why)
+    @property
+    def failed(self) -> str:
+        """Why the engine is unusable (a rank failed), "" while it runs."""
+        return self.peers.failed
 
     # ---- the engine calls ----------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int = 0) -> list[int]:
         ids = super().add_request(prompt_ids, params, prompt_index)  # validates first: refusals stay on rank 0
-        self._mirror("add_request", list(prompt_ids), params, prompt_index)
+        self.peers.mirror("add_request", list(prompt_ids), params, prompt_index)
         return ids
 
     def abort(self, seq_ids: Iterable[int]) -> int:
         ids = list(seq_ids)
-        self._mirror("abort", ids)
+        self.peers.mirror("abort", ids)
         return super().abort(ids)
 
     def step(self) -> list[Completion]:
-        self._mirror("step")
-        done = self._local(super().step)
-        self._settle()
+        self.peers.mirror("step")
+        done = self.peers.local(super().step)
+        self.peers.settle()
         return done
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -169,17 +118,14 @@ class MirroredRolloutEngine(RolloutEngine):
         import ray
 
         super().update_weights(state, version)
-        self._mirror("update_weights", ray.put(state), version)
-        self._settle()
+        self.peers.mirror("update_weights", ray.put(state), version)
+        self.peers.settle()
         dtype = self.lm.model.dtype
         self.weights_sha256 = weights_sha256({k: v.to(dtype) for k, v in state.items()})
 
     def close(self) -> None:
-        end_peers(getattr(self, "peers", []))
-        self.peers = []
-        self._pending = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if hasattr(self, "peers"):
+            self.peers.close()
 
     def __enter__(self) -> MirroredRolloutEngine:
         return self

@@ -6,6 +6,13 @@ Rank 0 lives in the service's own process; ranks ``1..world-1`` are Ray actors s
 brings a fresh world), each loading the model with a ``Loader`` (``peer_model``) and joining the gloo
 world on loopback (``groups.init_loopback``; ``sharded_peer_model`` also keeps the rank's shard).
 ``end_peers`` kills them; a peer already gone is ignored.
+
+``Peers`` drives them from rank 0: ``mirror`` queues a call on every peer (Ray runs one caller's
+calls to an actor in submission order, so the ranks meet in the same collectives), ``local`` runs
+rank 0's part, ``settle`` waits for the peers' answers. A failed or dead peer becomes ``PeerFailed``
+naming its rank ("trainer rank 1 of 2 failed: …"), after which every peer is ended — they may be
+blocked in a collective — and the engine is unusable (``failed`` says why; its service must be
+restarted, which brings a fresh world).
 """
 
 from __future__ import annotations
@@ -57,14 +64,18 @@ def sharded_peer_model(layout: Layout, port: int, model: str, kernel_config: Ker
 
 
 def start_peers(actor_cls: type, world: int, args: Callable[[int], Sequence[Any]], options: dict[str, Any],
-                name: Callable[[int], str] | None = None) -> list[Any]:
-    """Ray actors ``actor_cls(*args(rank))`` for ranks ``1..world-1`` with ``options`` (e.g. ``num_cpus``)
-    and, when ``name`` is given, the actor name ``name(rank)``."""
+                name: str = "") -> list[Any]:
+    """Ray actors ``actor_cls(*args(rank))`` for ranks ``1..world-1`` with ``options`` (e.g. ``num_cpus``),
+    named ``{name}-{random}-rank{r}`` when ``name`` is given (a restarted service's new peers get new
+    names while the old ones may still be ending)."""
+    import secrets
+
     import ray
 
     remote = ray.remote(actor_cls)
-    return [remote.options(max_restarts=0, **({"name": name(rank)} if name else {}), **options).remote(*args(rank))
-            for rank in range(1, world)]
+    tag = f"{name}-{secrets.token_hex(3)}" if name else ""
+    return [remote.options(max_restarts=0, **({"name": f"{tag}-rank{rank}"} if tag else {}), **options)
+            .remote(*args(rank)) for rank in range(1, world)]
 
 
 def end_peers(peers: Sequence[Any]) -> None:
@@ -74,3 +85,90 @@ def end_peers(peers: Sequence[Any]) -> None:
     for p in peers:
         with contextlib.suppress(Exception):
             ray.kill(p)
+
+
+class PeerFailed(RuntimeError):
+    """A rank of a parallel engine failed or died; the engine has ended every peer."""
+
+
+def _failure(kind: str, rank: int, world: int, e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{kind} rank {rank} of {world} failed: {type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+class Peers:
+    """Ranks ``1..world-1`` of a ``kind`` ("rollout", "trainer") engine, as driven by rank 0."""
+
+    def __init__(self, kind: str, actors: list[Any], timeout_s: float) -> None:
+        self.kind, self.actors, self.timeout_s = kind, actors, timeout_s
+        self.world = len(actors) + 1
+        self.failed = ""
+        """Why the engine is unusable (a rank failed), "" while it runs."""
+        self._pending: list[tuple[int, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.actors)
+
+    def check(self) -> None:
+        """Raise ``PeerFailed`` when a rank has failed before."""
+        if self.failed:
+            raise PeerFailed(self.failed)
+
+    def mirror(self, method: str, *args: Any) -> None:
+        """Queue ``method(*args)`` on every peer (after the calls queued before)."""
+        self.check()
+        self._pending += [(rank, getattr(p, method).remote(*args)) for rank, p in enumerate(self.actors, start=1)]
+
+    def settle(self) -> list[Any]:
+        """Every queued call's answer (rank order of the calls); a failure becomes ``PeerFailed``."""
+        import ray
+
+        pending, self._pending = self._pending, []
+        out = []
+        for rank, ref in pending:
+            try:
+                out.append(ray.get(ref, timeout=self.timeout_s))
+            except BaseException as e:
+                raise self.lost(_failure(self.kind, rank, self.world, e)) from e
+        return out
+
+    def local(self, fn: Callable[[], Any], alike: tuple[type[BaseException], ...] = ()) -> Any:
+        """Run rank 0's part of a mirrored call. An ``alike`` error is one every rank raises the same
+        way (a refused input): the peers' answers are awaited and it is re-raised. Any other failure:
+        a failed peer is the likelier cause (a lost rank breaks the collectives), so name it when one
+        has failed within a few seconds; either way end the peers."""
+        import ray
+
+        try:
+            return fn()
+        except alike:
+            with contextlib.suppress(Exception):
+                self.settle()
+            raise
+        except Exception as e:
+            pending, self._pending = self._pending, []
+            refs = [ref for _, ref in pending]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0) if refs else ([], [])
+            for rank, ref in pending:
+                if ref in ready:
+                    try:
+                        ray.get(ref, timeout=1.0)
+                    except BaseException as peer_error:
+                        raise self.lost(_failure(self.kind, rank, self.world, peer_error)) from e
+            raise self.lost(_failure(self.kind, 0, self.world, e)) from e
+
+    def lost(self, why: str) -> PeerFailed:
+        """Mark the engine failed and end every peer; the error to raise."""
+        self.failed = why
+        self.close()
+        return PeerFailed(why)
+
+    def close(self) -> None:
+        """End every peer and leave this process's gloo world (rank 0's, which ``Peers`` drives)."""
+        import torch.distributed as dist
+
+        end_peers(self.actors)
+        self.actors = []
+        self._pending = []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -71,10 +71,6 @@ class GlooExchange:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class DataParallelWorker(RankWorker):
     """Body of a peer rank's Ray actor: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
@@ -90,7 +86,8 @@ class DataParallelEngine(RankZeroEngine):
     """Rank 0 of ``degree`` data-parallel ranks (peers: Ray actors on the current Ray cluster, started
     with ``peer_options``, e.g. ``{"num_cpus": 1}``; start a local cluster with
     ``onpolicy.services.cluster.local_ray.init_ray``). Peers load ``model_ref`` (the reference ``lm``
-    was loaded from) with ``loader`` (a picklable function; default: no certification). ``close()``
+    was loaded from) with ``loader`` (a picklable function; default: no certification), named after
+    ``peer_name`` when given. ``close()``
     (or ``with``) ends the peers; a failed collective or peer closes them too (the engine is then
     unusable)."""
 
@@ -98,24 +95,18 @@ class DataParallelEngine(RankZeroEngine):
 
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int, model_ref: str,
                  loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0) -> None:
+                 peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0, peer_name: str = "") -> None:
         check_degree(degree)
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
         self._start_peers(
             DataParallelWorker, degree,
             lambda rank: (rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader),
-            peer_options or {"num_cpus": threads}, timeout_s)
+            peer_options or {"num_cpus": threads}, timeout_s, peer_name)
         try:
             exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None
             super().__init__(lm, config, exchange)
-            self._check_peers(self._get([p.replica_sha256.remote() for p in self.peers]), "at start")
+            self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        super().close()
-        exchange = getattr(self, "exchange", None)
-        if isinstance(exchange, GlooExchange):
-            exchange.close()

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
@@ -53,13 +52,14 @@ class ModelParallelEngine(RankZeroEngine):
     """Rank 0 of a ``tp`` x ``ep`` trainer (``world = lcm(tp, ep)`` ranks) over the full model ``lm``
     (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
     uncertified). Peers are Ray actors on the current cluster started with ``peer_options`` (default
-    ``{"num_cpus": threads}``). ``close()`` (or ``with``) ends them."""
+    ``{"num_cpus": threads}``), named after ``peer_name`` when given. ``close()`` (or ``with``) ends them."""
 
     kind = "model-parallel"
 
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
                  model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 peer_name: str = "") -> None:
         kernel_config = lm.model.ops.config
         check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
         self.world = math.lcm(tp, ep)
@@ -69,13 +69,13 @@ class ModelParallelEngine(RankZeroEngine):
             ModelParallelWorker, self.world,
             lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config, config, threads,
                           timeout_s, loader),
-            peer_options or {"num_cpus": threads}, timeout_s)
+            peer_options or {"num_cpus": threads}, timeout_s, peer_name)
         try:
             layout = Layout(tp, ep, 0, self.world)
             if self.world > 1:
                 init_loopback(0, self.world, port, timeout_s)
             super().__init__(shard_model(lm, model_parallel(layout)), config)
-            self._check_peers(self._get([p.replica_sha256.remote() for p in self.peers]), "at start")
+            self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:
             self.close()
             raise
@@ -88,9 +88,4 @@ class ModelParallelEngine(RankZeroEngine):
         return out
 
     def rank_states(self) -> list[LocalState]:
-        return [self.local_state(), *self._get([p.local_state.remote() for p in self.peers])]
-
-    def close(self) -> None:
-        super().close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return [self.local_state(), *self._ask("local_state")]

@@ -5,21 +5,21 @@ actors (``onpolicy.parallel.peers``), every rank a ``TrainerEngine``. What the d
 Rank 0 mirrors every call that runs collectives or changes state — ``train_step``, ``restore`` (and,
 for a sharded model, ``compute_logprobs``) — to every peer, one object-store copy of the arguments
 read by all, then runs its own part; Ray runs one caller's calls to an actor in submission order, so
-the ranks meet in the same collectives. After a step or a restore rank 0 checks every peer's
-``replica_sha256`` (what every rank must hold identically) against its own: ``ReplicaDivergence``
-otherwise. A failed rank or collective ends every peer (they may be blocked in a collective); the
-engine is then unusable and the trainer service's actor restart brings a fresh world.
+the ranks meet in the same collectives (``onpolicy.parallel.peers.Peers``). After a step or a restore
+rank 0 checks every peer's ``replica_sha256`` (what every rank must hold identically) against its
+own: ``ReplicaDivergence`` otherwise. A failed rank or collective is ``PeerFailed`` naming the rank
+and ends every peer (they may be blocked in a collective); the engine is then unusable (``failed``),
+the trainer service answers UNAVAILABLE and its actor exits, so Ray restarts it with a fresh world.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
 
-from onpolicy.parallel.peers import end_peers, start_peers
+from onpolicy.parallel.peers import Peers, start_peers
 
 from .checkpoint import CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainSample
@@ -64,22 +64,22 @@ class RankZeroEngine(TrainerEngine):
     group (the peers join it concurrently), then ``TrainerEngine.__init__``, then ``_check_peers``."""
 
     kind = "trainer"
-    peers: list[Any]
-    timeout_s: float
+    peers: Peers
 
     def _start_peers(self, worker: type[RankWorker], world: int, args: Callable[[int], Sequence[Any]],
-                     options: dict[str, Any], timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.peers = start_peers(worker, world, args, options)
+                     options: dict[str, Any], timeout_s: float, name: str) -> None:
+        """Start ranks ``1..world-1`` (named ``{name}-{random}-rank{r}`` when ``name`` is given)."""
+        self.peers = Peers("trainer", start_peers(worker, world, args, options, name), timeout_s)
 
-    def _get(self, refs: list[Any]) -> list[Any]:
-        import ray
+    @property
+    def failed(self) -> str:
+        """Why the engine is unusable (a rank failed: ``PeerFailed``), "" while it runs."""
+        return self.peers.failed
 
-        try:
-            return list(ray.get(refs, timeout=self.timeout_s))
-        except BaseException:
-            self.close()  # a failed rank leaves its peers blocked in a collective: end them all
-            raise
+    def _ask(self, method: str) -> list[Any]:
+        """Every peer's answer to ``method()``."""
+        self.peers.mirror(method)
+        return self.peers.settle()
 
     def _check_peers(self, shas: list[str], when: str) -> None:
         mine = self.replica_sha256()
@@ -91,23 +91,16 @@ class RankZeroEngine(TrainerEngine):
     def _mirrored(self, method: str, args: tuple[Any, ...], local: Callable[[], Any]) -> tuple[Any, list[Any]]:
         """Call ``method(*args)`` on every peer, run ``local()`` (rank 0's part), then wait for the
         peers; returns rank 0's result and the peers'. An error every rank raises alike (a refused
-        batch, a diverged step) is re-raised once the peers have raised it too."""
+        batch, a diverged step) is re-raised once the peers have raised it too; a lost rank is
+        ``PeerFailed``."""
         import ray
 
+        self.peers.check()
         if not self.peers:
             return local(), []
-        put = tuple(ray.put(a) if isinstance(a, list | CheckpointState) else a for a in args)
-        pending = [getattr(p, method).remote(*put) for p in self.peers]
-        try:
-            out = local()
-        except (ValueError, FloatingPointError):
-            with contextlib.suppress(Exception):
-                ray.get(pending, timeout=self.timeout_s)
-            raise
-        except BaseException:
-            self.close()
-            raise
-        return out, self._get(pending)
+        self.peers.mirror(method, *(ray.put(a) if isinstance(a, list | CheckpointState) else a for a in args))
+        out = self.peers.local(local, alike=(ValueError, FloatingPointError))
+        return out, self.peers.settle()
 
     def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
                    recompute_old: bool = False) -> StepStats:
@@ -124,11 +117,11 @@ class RankZeroEngine(TrainerEngine):
 
     def peer_state_dicts(self) -> list[dict[str, Tensor]]:
         """Every peer's own weights (ranks 1..world-1, in order; a shard each when sharded)."""
-        return self._get([p.state_dict.remote() for p in self.peers])
+        return self._ask("state_dict")
 
     def close(self) -> None:
-        end_peers(getattr(self, "peers", []))
-        self.peers = []
+        if hasattr(self, "peers"):
+            self.peers.close()
 
     def __enter__(self) -> RankZeroEngine:
         return self

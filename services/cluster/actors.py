@@ -56,13 +56,17 @@ class ServiceActor:
         self.host = advertised_host(host)
 
     def address(self) -> str:
-        """Where the service answers; a service whose engine stopped (e.g. a lost tensor-parallel peer
-        rank) exits instead, so Ray restarts it with fresh peers and the caller resolves the new one."""
+        """Where the service answers; a service whose engine stopped (e.g. a lost tensor-parallel or
+        data-parallel peer rank) exits instead, so Ray restarts it with fresh peers and the caller
+        resolves the new one."""
         if self.role_name == "rollout":
             worker = self.role.servicer.worker
-            if not worker.alive or getattr(worker.engine, "failed", ""):
-                log.error("the rollout engine has stopped; exiting so that Ray restarts this service")
-                os._exit(1)
+            stopped = not worker.alive or getattr(worker.engine, "failed", "")
+        else:
+            stopped = getattr(self.role.servicer, "failed", "")
+        if stopped:
+            log.error("the %s engine has stopped; exiting so that Ray restarts this service", self.role_name)
+            os._exit(1)
         return f"{self.host}:{self.server.port}"
 
     def metrics_url(self) -> str:

@@ -27,7 +27,7 @@ import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
-from onpolicy.parallel.mirrored import PeerFailed
+from onpolicy.parallel.peers import PeerFailed
 from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc
 from onpolicy.services.common.convert import completion_to_proto, kernel_config_to_proto, weights_ref_from_proto

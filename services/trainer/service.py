@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_config: TrainerConfig | None = None,
                           *, restore_from: str | os.PathLike[str] | None = None, data_parallel: int = 1,
-                          tp: int = 1, ep: int = 1, peer_npus: int = 0) -> TrainerServicer:
+                          tp: int = 1, ep: int = 1, peer_npus: int = 0, peer_name: str = "") -> TrainerServicer:
     """A ``TrainerServicer`` over a fresh engine on ``model_ref``. Raises ``UncertifiedBackend``
     when the backend fails its selftest here, and ``ValueError`` for the ``fast`` backend (the
     trainer's logprobs are the reference every rollout is checked against, so they must come from
@@ -31,8 +31,8 @@ def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_c
     ``data_parallel`` > 1: the engine is rank 0 of that many ranks (a ``DataParallelEngine``);
     ``tp``/``ep`` > 1: rank 0 of ``lcm(tp, ep)`` ranks each holding a shard (a ``ModelParallelEngine``;
     not combined with ``data_parallel`` > 1). Either runs on a Ray worker; its peers are Ray actors with
-    this process's thread count and ``peer_npus`` NPUs each, which certify the operator set on their
-    own nodes."""
+    this process's thread count and ``peer_npus`` NPUs each (named after ``peer_name`` when given),
+    which certify the operator set on their own nodes."""
     if not kernel_config.consistent:
         raise ValueError(f"the trainer needs consistent kernels, got backend {kernel_config.backend!r}")
     if data_parallel > 1 and (tp > 1 or ep > 1):
@@ -49,12 +49,12 @@ def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_c
             from onpolicy.trainer.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine(lm, trainer_config, degree=data_parallel, model_ref=model_ref,
-                                        loader=load_certified, peer_options=peer_options)
+                                        loader=load_certified, peer_options=peer_options, peer_name=peer_name)
         else:
             from onpolicy.trainer.model_parallel import ModelParallelEngine
 
             engine = ModelParallelEngine(lm, trainer_config, tp=tp, ep=ep, model_ref=model_ref,
-                                         loader=load_certified, peer_options=peer_options)
+                                         loader=load_certified, peer_options=peer_options, peer_name=peer_name)
     else:
         engine = TrainerEngine(lm, trainer_config)
     if restore_from is not None:

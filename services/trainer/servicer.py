@@ -16,12 +16,16 @@ validate -> domain types -> engine -> proto).
 
 Engine calls are serialised by one lock (the engine is not thread-safe). Validation refusals are
 INVALID_ARGUMENT naming the field; a KL penalty switched on after training started, a non-finite
-gradient (divergence), or a checkpoint step that already exists, is FAILED_PRECONDITION.
+gradient (divergence), or a checkpoint step that already exists, is FAILED_PRECONDITION. A
+multi-rank engine that lost a rank (``PeerFailed``) answers UNAVAILABLE from then on; the service's
+Ray actor then exits (``ServiceActor.address``) and is restarted with a fresh world.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,9 +33,10 @@ import grpc
 import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
+from onpolicy.parallel.peers import PeerFailed
 from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
 from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
-from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from onpolicy.trainer.checkpoint import LATEST, MANIFEST, CheckpointError, load_checkpoint
 from onpolicy.trainer.engine import TrainerEngine
 
@@ -46,6 +51,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.kernel_config: KernelConfig = engine.model.ops.config
         self._lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def _engine(self) -> Iterator[None]:
+        """Hold the engine lock; a lost rank of a multi-rank engine is UNAVAILABLE."""
+        with self._lock:
+            try:
+                yield
+            except PeerFailed as e:
+                raise Unavailable(str(e)) from None
+
+    @property
+    def failed(self) -> str:
+        """Why the engine is unusable ("" while it runs)."""
+        return getattr(self.engine, "failed", "")
+
     @staticmethod
     def register(servicer: TrainerServicer, server: grpc.Server) -> None:
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
@@ -53,7 +72,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def ComputeLogprobs(self, request: trainer_pb2.ComputeLogprobsRequest, context: grpc.ServicerContext,
                         ) -> trainer_pb2.ComputeLogprobsResponse:
         seqs = requests.scored_sequences(request, self.engine.model.config)
-        with self._lock:
+        with self._engine():
             lps = self.engine.compute_logprobs(seqs, request.pack_tokens or None)
             version, sha = self.engine.weight_version, self.engine.weights_sha256
         return trainer_pb2.ComputeLogprobsResponse(
@@ -70,7 +89,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise InvalidArgument("optimizer", "is required")
         loss = requests.loss_config(request.loss, len(samples))
         opt = requests.optimizer_config(request.optimizer)
-        with self._lock:
+        with self._engine():
             if loss.kl_coef > 0 and self.engine.reference is None and self.engine.step > 0:
                 raise FailedPrecondition("loss.kl_coef > 0 needs the reference policy (the initial weights), "
                                          "which the trainer keeps only when the KL penalty is on from its first step")
@@ -86,7 +105,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def ExportWeights(self, request: trainer_pb2.ExportWeightsRequest, context: grpc.ServicerContext,
                       ) -> trainer_pb2.ExportWeightsResponse:
         directory = requests.directory(request.directory)
-        with self._lock:
+        with self._engine():
             try:
                 ref = self.engine.export_weights(directory)
             except OSError as e:
@@ -97,7 +116,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                        ) -> trainer_pb2.SaveCheckpointResponse:
         directory = requests.directory(request.directory)
         extra = requests.extra_json(request.extra_json)
-        with self._lock:
+        with self._engine():
             try:
                 path = self.engine.save_checkpoint(directory, extra)
             except CheckpointError as e:
@@ -118,7 +137,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise FailedPrecondition(str(e)) from None
         except OSError as e:
             raise FailedPrecondition(f"cannot read a checkpoint under {directory}: {e.strerror or e}") from None
-        with self._lock:
+        with self._engine():
             try:
                 self.engine.restore(state)
             except CheckpointError as e:
@@ -128,7 +147,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def GetInfo(self, request: trainer_pb2.TrainerServiceGetInfoRequest, context: grpc.ServicerContext,
                 ) -> trainer_pb2.TrainerServiceGetInfoResponse:
-        with self._lock:
+        with self._engine():
             step, sha = self.engine.step, self.engine.weights_sha256
         info = common_pb2.ServiceInfo(
             service="trainer", model=self.engine.lm.name, kernel_fingerprint=self.engine.kernel_fingerprint,

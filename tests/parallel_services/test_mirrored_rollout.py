@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from onpolicy.models.checkpoint import LoadedModel, weights_sha256
-from onpolicy.parallel.mirrored import MirroredRolloutEngine, PeerFailed
+from onpolicy.parallel.mirrored import MirroredRolloutEngine
+from onpolicy.parallel.peers import PeerFailed
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7, 9, 11, 13, 15]]
@@ -32,7 +33,7 @@ def test_mirrored_rollout_equals_one_engine(ray_cluster: None, load_tiny: Callab
              for k, v in lm.model.state_dict().items()}
     single = RolloutEngine(lm, CONFIG)
     with MirroredRolloutEngine(lm, CONFIG, tp=tp, ep=ep, model_ref=model, peer_options={"num_cpus": 1}) as par:
-        assert len(par.peers) == 1
+        assert len(par.peers.actors) == 1
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
         single.update_weights(state, 1)
         par.update_weights(state, 1)
@@ -46,12 +47,12 @@ def test_dead_peer_is_named_and_peers_end(ray_cluster: None, load_tiny: Callable
     lm = load_tiny("tiny-qwen3", fresh=True)
     par = MirroredRolloutEngine(lm, CONFIG, tp=2, model_ref="tiny-qwen3", peer_options={"num_cpus": 1},
                                 timeout_s=30.0)
-    peer = par.peers[0]
+    peer = par.peers.actors[0]
     ray.kill(peer)
     par.add_request(PROMPTS[0], PARAMS)
     with pytest.raises(PeerFailed, match="rollout rank 1 of 2 failed"):
         par.step()
-    assert par.peers == [] and par.failed.startswith("rollout rank 1 of 2 failed")
+    assert par.peers.actors == [] and par.failed.startswith("rollout rank 1 of 2 failed")
 
 
 def test_job_spec_degrees_reach_the_rollout_engine(ray_cluster: None, tiny_paths: object) -> None:
@@ -63,6 +64,6 @@ def test_job_spec_degrees_reach_the_rollout_engine(ray_cluster: None, tiny_paths
                                       "rollout"))
     servicer, _ = build_role_servicer("rollout", opts)
     engine = servicer.engine
-    assert isinstance(engine, MirroredRolloutEngine) and engine.world == 2 and len(engine.peers) == 1
+    assert isinstance(engine, MirroredRolloutEngine) and engine.world == 2 and len(engine.peers.actors) == 1
     servicer.close()  # what stopping the service does: the peer rank ends with it
-    assert engine.peers == []
+    assert engine.peers.actors == []
