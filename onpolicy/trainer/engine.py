@@ -118,6 +118,8 @@ class TrainerEngine:
         self.step = 0
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._sha: tuple[int, str] = (0, lm.weights_sha256)
+        self._full: tuple[int, dict[str, Tensor]] = (-1, {})
+        """A sharded engine's unsharded weights, gathered once per step (export, checksum, rollout)."""
         self.full_parameters = full_parameters(self.model)
         """Name -> shape of the unsharded model's parameters (what checkpoints and exports hold)."""
         self._rank_names: list[list[str]] | None = None
@@ -324,7 +326,9 @@ class TrainerEngine:
         """The unsharded weights (this engine's own ``state_dict`` unless it is one shard of several)."""
         if not is_sharded(self.model):
             return self.model.state_dict()
-        return self._unshard([s.model for s in self.rank_states()])
+        if self._full[0] != self.step:
+            self._full = (self.step, self._unshard([s.model for s in self.rank_states()]))
+        return self._full[1]
 
     def _unshard(self, parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         par = self.model.parallel
@@ -392,4 +396,4 @@ class TrainerEngine:
         random.setstate(state.rng["python"])
         self.generator.set_state(state.rng["engine"])
         self.step = state.step
-        self._sha = (-1, "")
+        self._sha, self._full = (-1, ""), (-1, {})
