@@ -55,17 +55,22 @@ class AttentionBatch:
         if not (len(q_lens) == len(q_starts) == len(kv_lens)) or not q_lens:
             raise ValueError("q_lens, q_starts and kv_lens must be equally long and non-empty")
         mq = max(q_lens)
-        q_index = torch.full((len(q_lens), mq), -1, dtype=torch.int64)
-        q_pos = torch.zeros((len(q_lens), mq), dtype=torch.int64)
+        q_index: list[int] = []
+        q_pos: list[int] = []
         row = 0
         for s, (n, start, kv) in enumerate(zip(q_lens, q_starts, kv_lens, strict=True)):
             if n < 1 or start < 0 or kv < start + n:
                 raise ValueError(f"sequence {s}: q_len={n}, q_start={start}, kv_len={kv} are inconsistent")
-            q_index[s, :n] = torch.arange(row, row + n)
-            q_pos[s, :n] = torch.arange(start, start + n)
+            n, start = int(n), int(start)
+            q_index.extend(range(row, row + n))
+            q_index.extend([-1] * (mq - n))
+            q_pos.extend(range(start, start + n))
+            q_pos.extend([0] * (mq - n))
             row += n
+        shape = (len(q_lens), mq)
         return AttentionBatch(
-            q_index=q_index.to(device), q_pos=q_pos.to(device),
+            q_index=torch.tensor(q_index, dtype=torch.int64, device=device).view(shape),
+            q_pos=torch.tensor(q_pos, dtype=torch.int64, device=device).view(shape),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int64, device=device),
             num_rows=row, max_kv_len=max(kv_lens),
         )
@@ -101,6 +106,10 @@ class PagedKV:
     k_pages: Tensor  # [P, page_size, Hkv, D]
     v_pages: Tensor  # [P, page_size, Hkv, D]
     page_table: Tensor  # [S, max_pages] int64
+    zero_row: int | None = None
+    """A flat row (``flat()`` view) that holds zeros in both K and V and is never written (the rollout
+    cache reserves one page for it), or None. Attention points the slots past a sequence's end at
+    it instead of zeroing those rows of its V copy."""
 
     @property
     def page_size(self) -> int:
@@ -125,6 +134,37 @@ class PagedKV:
 
 
 KVSource = ContiguousKV | PagedKV
+
+
+def zero_row(kv: KVSource) -> int | None:
+    """The source's all-zero flat row (``PagedKV.zero_row``), if it has one."""
+    return kv.zero_row if isinstance(kv, PagedKV) else None
+
+
+def layout_key(kv: KVSource) -> tuple[object, ...]:
+    """What ``kv.slots(length)`` depends on besides ``length``: the source's index tensor (by
+    identity, kept alive by the caller's memo) and sizes. Equal keys give equal slots."""
+    if isinstance(kv, PagedKV):
+        return ("paged", id(kv.page_table), kv.page_size, kv.zero_row)
+    return ("contiguous", id(kv.cu_seqlens), int(kv.k.shape[0]))
+
+
+def dense_heads(kv: KVSource, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Fresh head-major ``[S, Hkv, L, D]`` copies of every sequence's keys and values in one gather:
+    ``rows [S, Hkv, L]`` names, for every (sequence, head, position), a row of the
+    ``[rows * Hkv, D]`` view of the storage (see :func:`head_slots`). Pure indexing: the values equal
+    ``dense(kv, L)`` transposed to head-major, without the second (transposing) copy."""
+    k, v = kv.flat()
+    d = k.shape[2]
+    idx = rows.reshape(-1)
+    shape = (*rows.shape, d)
+    return k.reshape(-1, d).index_select(0, idx).view(shape), v.reshape(-1, d).index_select(0, idx).view(shape)
+
+
+def head_slots(slots: Tensor, num_kv_heads: int) -> Tensor:
+    """``[S, Hkv, L]`` rows of the ``[rows * Hkv, D]`` view for ``slots [S, L]`` rows of ``[rows, Hkv, D]``."""
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return slots[:, None, :] * num_kv_heads + heads[None, :, None]
 
 
 def dense(kv: KVSource, length: int) -> tuple[Tensor, Tensor]:

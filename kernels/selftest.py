@@ -25,6 +25,7 @@ from torch import Tensor
 from .backend import SINGLE, Backend, chunk_major, fold_chunks
 from .config import KernelConfig
 from .kv import AttentionBatch, ContiguousKV, PagedKV
+from .reference.linear import COLUMN_CHUNK
 from .registry import get_backend
 from .sampling import sample
 
@@ -312,6 +313,25 @@ def _head_slice_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: tor
     return ProbeResult("attention/head-slices", not fails, checked, "; ".join(fails[:4]))
 
 
+def _lm_head_grad_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
+    """The LM head + log-softmax without autograd (rollout, scoring) vs with it (training forward):
+    the reference backend computes the former in column chunks (``column_chunked_linear``), which
+    must give the bits of its one-call GEMM. The vocabulary spans two chunks and a remainder."""
+    lm = (torch.randn(2 * COLUMN_CHUNK + 300, s.hidden, generator=gen) * 0.05).to(dtype)
+    fails, checked = [], 0
+    for m in (1, 8, 13, 64):
+        x = torch.randn(m, s.hidden, generator=gen).to(dtype)
+        t = torch.rand(m, generator=gen) + 0.3
+        with torch.no_grad():
+            plain = ops.logprobs(x, lm, t)
+        with torch.enable_grad():
+            trained = ops.logprobs(x.clone().requires_grad_(), lm, t).detach()
+        checked += 1
+        if not torch.equal(plain, trained):
+            fails.append(f"{m} rows")
+    return ProbeResult("logprobs/no-grad-vs-autograd", not fails, checked, "; ".join(fails))
+
+
 def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
     b = 9
     lp = torch.log_softmax(torch.randn(b, s.vocab, generator=gen) * 3, -1)
@@ -376,6 +396,7 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
     xt = torch.cat([rnd(rows, s.hidden), (torch.rand(rows, 1, generator=gen) + 0.3).to(dt)], 1)
     add(_rows_probe("logprobs/lm-head-log-softmax",  # a row carries [hidden | temperature]
                     lambda a: ops.logprobs(a[:, :-1], lm, a[:, -1].float().abs() + 0.3), xt, gen))
+    add(_lm_head_grad_probe(ops, s, dt, gen))
     e = max(2, s.num_experts)
     add(_rows_probe("moe/route", lambda a: ops.moe_route(a, min(s.top_k, e), True).weights,
                     torch.randn(rows, e, generator=gen), gen))

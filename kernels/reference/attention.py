@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..kv import AttentionBatch, KVSource
+from ..kv import AttentionBatch, KVSource, PagedKV, dense_heads, head_slots, layout_key, zero_row
 from .linear import pad_rows
 
 #: Upper bound on fp32 score elements materialised at once; query rows are processed in chunks.
@@ -39,6 +39,13 @@ def _grouped_positions(batch: AttentionBatch, g: int, row_tile: int) -> Tensor:
     return pad_rows(pos.movedim(2, 0), row_tile).movedim(0, 2)
 
 
+def _uniform(batch: AttentionBatch) -> bool:
+    """Whether the packed rows are exactly ``[S, Mq]`` in order (every sequence has Mq queries, as in a
+    decode step): then grouping and ungrouping are reshapes instead of gathers and scatters."""
+    return batch.memo("uniform", lambda: batch.num_rows == batch.q_index.numel() and torch.equal(
+        batch.q_index.reshape(-1), torch.arange(batch.num_rows, device=batch.q_index.device)))
+
+
 def group_queries(q: Tensor, batch: AttentionBatch, num_kv_heads: int, row_tile: int,
                   ) -> tuple[Tensor, Tensor, int]:
     """Packed ``q [N, Hq, D]`` -> ``[S, Hkv, R, D]`` rows (query-major, then heads of the group),
@@ -47,7 +54,8 @@ def group_queries(q: Tensor, batch: AttentionBatch, num_kv_heads: int, row_tile:
     s, mq = batch.q_index.shape
     hq, d = q.shape[1], q.shape[2]
     g = hq // num_kv_heads
-    qd = q[batch.memo("q_index>=0", lambda: batch.q_index.clamp(min=0))]  # [S, Mq, Hq, D]
+    qd = (q.reshape(s, mq, hq, d) if _uniform(batch)  # [S, Mq, Hq, D]
+          else q[batch.memo("q_index>=0", lambda: batch.q_index.clamp(min=0))])
     qd = qd.view(s, mq, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(s, num_kv_heads, mq * g, d)
     qd = pad_rows(qd.movedim(2, 0), row_tile).movedim(0, 2)
     pos = batch.memo(("grouped_pos", g, row_tile), lambda: _grouped_positions(batch, g, row_tile))
@@ -60,6 +68,8 @@ def ungroup(out: Tensor, batch: AttentionBatch, rows: int, num_rows: int) -> Ten
     mq = batch.q_index.shape[1]
     g = rows // mq
     o = out[:, :, :rows].reshape(s, hkv, mq, g, d).permute(0, 2, 1, 3, 4).reshape(s, mq, hkv * g, d)
+    if _uniform(batch) and num_rows == s * mq:
+        return o.reshape(num_rows, hkv * g, d)
     valid = batch.memo("valid", lambda: batch.q_index >= 0)
     result = o.new_empty((num_rows, hkv * g, d))
     result[batch.memo("valid_rows", lambda: batch.q_index[valid])] = o[valid]
@@ -72,27 +82,46 @@ def _row_sum(t: Tensor) -> Tensor:
 
 def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int, *,
                    matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
-                   row_sum: Callable[[Tensor], Tensor] = _row_sum, mask: Tensor | None = None) -> Tensor:
+                   row_sum: Callable[[Tensor], Tensor] = _row_sum, mask: Tensor | None = None,
+                   rows: int | None = None) -> Tensor:
     """The tile routine. ``q [S, Hkv, R, D]``, ``k``/``v`` ``[S, Hkv, L, D]`` with ``L`` a multiple
-    of ``kv_tile``, ``pos [S, 1, R]`` each row's position. Returns fp32 ``[S, Hkv, R, D]``.
+    of ``kv_tile``, ``pos [S, 1, R]`` each row's position. Returns fp32 ``[S, Hkv, rows, D]``: the
+    first ``rows`` (default R) rows; the others are row-tile padding, whose elementwise softmax work
+    is skipped (each of these steps is per element or per row, and a GEMM row does not depend on the
+    other rows, so the kept rows' bits are the same).
     ``matmul``/``row_sum`` let a backend supply its own GEMM and row sum (the loop stays this one);
     ``mask`` is ``arange(L) > pos[..., None]`` when the caller already has it."""
     s, hkv, r, d = q.shape
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    keep = r if rows is None or grad else rows
     length = k.shape[2]
     nb = length // kv_tile
-    # contiguous head-major fp32 copies (one pass each, whatever the caller's strides); the score
-    # GEMM reads K through its transposed view, the same GEMM as on a copied K^T
+    # contiguous head-major fp32 copies (no copy when the caller gathered them so); the score GEMM
+    # reads K through its transposed view, the same GEMM as on a copied K^T
     kt = k.to(torch.float32, memory_format=torch.contiguous_format).transpose(2, 3)  # [S, Hkv, D, L]
     vb = v.to(torch.float32, memory_format=torch.contiguous_format).view(s, hkv, nb, kv_tile, d)
     if mask is None:
         mask = torch.arange(length, device=q.device) > pos[..., None]
     # in-place steps on fresh tensors only (no autograd input is overwritten); same ops, same bits
-    scores = matmul(q.float(), kt).mul_(scale)  # [S, Hkv, R, L]
-    scores = scores.masked_fill_(mask, float("-inf")).view(s, hkv, r, nb, kv_tile)
-    m = scores.amax(-1).cummax(-1).values  # running max after each tile  [S, Hkv, R, nb]
-    p = (scores - m[..., None]).exp_()
-    rowsum = row_sum(p)  # [S, Hkv, R, nb]
-    pv = matmul(p.transpose(2, 3), vb)  # [S, Hkv, nb, R, D]
+    scores = matmul(q.float(), kt)  # [S, Hkv, R, L]
+    if keep < r:
+        scores, mask = scores[:, :, :keep], mask[:, :, :keep]
+    scores = scores.mul_(scale).masked_fill_(mask, float("-inf")).view(s, hkv, keep, nb, kv_tile)
+    m = scores.amax(-1).cummax(-1).values  # running max after each tile  [S, Hkv, keep, nb]
+    if grad:
+        p = (scores - m[..., None]).exp_()
+        pt = p.transpose(2, 3)
+    else:
+        # without autograd, p is written straight into the tile-major layout [S, Hkv, nb, R, tile]
+        # that the PV GEMM reads (the contiguous copy its batched matmul makes of the transposed
+        # view otherwise: the same GEMM operand); padding rows stay zero
+        pt = (q.new_zeros if keep < r else q.new_empty)((s, hkv, nb, r, kv_tile), dtype=torch.float32)
+        p = pt.transpose(2, 3)[:, :, :keep]  # [S, Hkv, keep, nb, tile] view
+        torch.sub(scores, m[..., None], out=p).exp_()
+    rowsum = row_sum(p)  # [S, Hkv, keep, nb]
+    pv = matmul(pt, vb)  # [S, Hkv, nb, R, D]
+    if keep < r:
+        pv = pv[:, :, :, :keep]
     l_acc = rowsum[..., 0]
     acc = pv[:, :, 0]
     if nb > 1:
@@ -104,33 +133,48 @@ def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, k
     return acc / l_acc[..., None]
 
 
-def _rows_beyond(batch: AttentionBatch, length: int) -> Tensor:
-    """Flat indices ``s * length + j`` of the dense rows past each sequence's end."""
-    j = torch.arange(length, device=batch.kv_lens.device)
-    beyond = j[None, :] >= batch.kv_lens[:, None]
-    return (torch.arange(beyond.shape[0], device=j.device)[:, None] * length + j)[beyond]
+def _head_slots(kv: KVSource, batch: AttentionBatch, length: int, hkv: int) -> tuple[Tensor, Tensor | None]:
+    """Rows of the ``[rows * Hkv, D]`` storage view for every (sequence, KV head, position) (see
+    ``kv.head_slots``) and, unless positions past a sequence's end already name the source's zero
+    row, the flat indices of those positions in the head-major copy (to zero their V)."""
+    slots = kv.slots(length)
+    beyond = torch.arange(length, device=slots.device)[None, :] >= batch.kv_lens[:, None]  # [S, L]
+    zero = zero_row(kv)
+    if zero is not None:
+        return head_slots(slots.masked_fill(beyond, zero), hkv), None
+    flat = torch.arange(beyond.numel() * hkv, device=slots.device).view(beyond.shape[0], hkv, length)
+    return head_slots(slots, hkv), flat[beyond[:, None, :].expand(-1, hkv, -1)]
 
 
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, row_tile: int,
               kv_tile: int, tile: Callable[..., Tensor] = tile_attention) -> Tensor:
     length = -(-batch.max_kv_len // kv_tile) * kv_tile
-    k, v = kv.dense(length)  # fresh [S, L, Hkv, D] copies
-    hkv = k.shape[2]
+    hkv = kv.flat()[0].shape[1]
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
+    # one gather per step for every layer: the index tensors are functions of the batch and the
+    # source's layout (the memo key keeps the source's index tensor alive, so its id stays unique)
+    key = ("head_slots", length, hkv, layout_key(kv))
+    _, idx, beyond = batch.memo(key, lambda: (kv.page_table if isinstance(kv, PagedKV) else kv.cu_seqlens,
+                                               *_head_slots(kv, batch, length, hkv)))
+    k, v = dense_heads(kv, idx)  # fresh [S, Hkv, L, D] copies
     # Slots past a sequence's end are never attended (p = 0 exactly), but 0 * inf would be NaN:
-    # zero their values so stale or never-written cache slots cannot leak into the output.
-    v.view(-1, *v.shape[2:])[batch.memo(("beyond", length), lambda: _rows_beyond(batch, length))] = 0
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    # their values are zero (the source's zero row, or zeroed here) so stale or never-written cache
+    # slots cannot leak into the output.
+    if beyond is not None:
+        v.view(-1, v.shape[-1])[beyond] = 0
     qd, pos, rows = group_queries(q, batch, hkv, row_tile)
     s, _, r_pad, _ = qd.shape
     chunk = max(row_tile, (_SCORE_BUDGET // max(1, s * hkv * length)) // row_tile * row_tile)
-    extra: dict[str, Tensor] = {}
+    extra: dict[str, object] = {}
     if tile is tile_attention and chunk >= r_pad:  # one chunk: its causal mask serves every layer
         extra["mask"] = batch.memo(("causal", length, q.shape[1] // hkv, row_tile),
                                    lambda: torch.arange(length, device=q.device) > pos[..., None])
-    parts = [tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile, **extra)
-             for r0 in range(0, r_pad, chunk)]
+    parts = []
+    for r0 in range(0, r_pad, chunk):
+        if tile is tile_attention:
+            extra["rows"] = max(0, min(chunk, rows - r0))
+        parts.append(tile(qd[:, :, r0:r0 + chunk], k, v, pos[:, :, r0:r0 + chunk], scale, kv_tile, **extra))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return ungroup(out.to(q.dtype), batch, rows, batch.num_rows)
 

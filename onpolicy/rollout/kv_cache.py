@@ -13,11 +13,14 @@ from onpolicy.kernels import AttentionBatch, KVSource, PagedKV
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        # zero-filled: never-written slots are finite, so masked positions contribute exact zeros
+        # zero-filled: never-written slots are finite, so masked positions contribute exact zeros.
+        # One page more than the block manager hands out: it is never written, and attention points
+        # every position past a sequence's end at its first row (``zero_row``) instead of zeroing them.
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
+        self.zero_row = num_pages * page_size
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -32,4 +35,4 @@ class PagedContext:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc.view(-1, *kc.shape[2:])[self.slots] = k
         vc.view(-1, *vc.shape[2:])[self.slots] = v
-        return PagedKV(kc, vc, self.page_table)
+        return PagedKV(kc, vc, self.page_table, zero_row=self.cache.zero_row)

@@ -4,6 +4,7 @@ in the rollout engine."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -33,26 +34,28 @@ class ModelRunner:
         page = self.cache.page_size
         ids: list[int] = []
         slots: list[int] = []
+        positions: list[int] = []
         for s in out.scheduled:
-            toks = s.seq.tokens[s.start:s.start + s.num_tokens]
-            ids.extend(toks)
+            stop = s.start + s.num_tokens
+            ids.extend(s.seq.tokens[s.start:stop])
+            positions.extend(range(s.start, stop))
             table = s.seq.block_table
-            slots.extend(table[p // page] * page + p % page for p in range(s.start, s.start + s.num_tokens))
+            slots.extend(table[p // page] * page + p % page for p in range(s.start, stop))
         q_lens = [s.num_tokens for s in out.scheduled]
         starts = [s.start for s in out.scheduled]
         batch = AttentionBatch.build(q_lens, starts, [a + b for a, b in zip(starts, q_lens, strict=True)], device)
         width = max(len(s.seq.block_table) for s in out.scheduled)
-        table = torch.zeros((len(out.scheduled), width), dtype=torch.int64)
-        for i, s in enumerate(out.scheduled):
-            table[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int64)
-        positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, q_lens, strict=True)]).to(device)
-        ctx = PagedContext(self.cache, batch, table.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
-        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions, ctx)
+        table = torch.tensor([[*s.seq.block_table, *[0] * (width - len(s.seq.block_table))] for s in out.scheduled],
+                             dtype=torch.int64, device=device)
+        ctx = PagedContext(self.cache, batch, table, torch.tensor(slots, dtype=torch.int64, device=device))
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions_t, ctx)
         sampled = [s for s in out.scheduled if s.samples]
         if not sampled:
             return []
-        ends = torch.tensor(q_lens, device=device).cumsum(0) - 1
-        rows = torch.stack([ends[i] for i, s in enumerate(out.scheduled) if s.samples])
+        ends = [e - 1 for e in itertools.accumulate(q_lens)]
+        rows = torch.tensor([ends[i] for i, s in enumerate(out.scheduled) if s.samples], dtype=torch.int64,
+                            device=device)
         temps = torch.tensor([s.seq.params.logprob_temperature for s in sampled], dtype=torch.float32, device=device)
         lp = self.model.logprobs(hidden[rows], temps)
         keys = torch.tensor([s.seq.key for s in sampled], dtype=torch.int64, device=device)
