@@ -83,6 +83,7 @@ class MirroredRolloutEngine(RolloutEngine):
             layout = Layout(tp, ep, 0, self.world)
             if self.world > 1:
                 init_loopback(layout.rank, layout.world, port, timeout_s)
+                self.peers.owns_group = True
             super().__init__(shard_model(lm, model_parallel(layout)), config)
             self.peers.mirror("ready")
             self.peers.settle()

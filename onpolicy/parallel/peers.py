@@ -104,6 +104,8 @@ class Peers:
         self.world = len(actors) + 1
         self.failed = ""
         """Why the engine is unusable (a rank failed), "" while it runs."""
+        self.owns_group = False
+        """Whether rank 0 joined the gloo world for these peers (set once it has): ``close`` leaves it."""
         self._pending: list[tuple[int, Any]] = []
 
     def __bool__(self) -> bool:
@@ -142,8 +144,16 @@ class Peers:
         try:
             return fn()
         except alike:
-            with contextlib.suppress(Exception):
-                self.settle()
+            # the peers raise the same error (Ray's error for a remote ValueError is a ValueError):
+            # the world is intact; a peer that failed otherwise is a lost rank
+            pending, self._pending = self._pending, []
+            for rank, ref in pending:
+                try:
+                    ray.get(ref, timeout=self.timeout_s)
+                except alike:
+                    pass
+                except BaseException as peer_error:
+                    raise self.lost(_failure(self.kind, rank, self.world, peer_error)) from peer_error
             raise
         except Exception as e:
             pending, self._pending = self._pending, []
@@ -170,5 +180,6 @@ class Peers:
         end_peers(self.actors)
         self.actors = []
         self._pending = []
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        self.owns_group = False

@@ -105,6 +105,7 @@ class DataParallelEngine(RankZeroEngine):
             peer_options or {"num_cpus": threads}, timeout_s, peer_name)
         try:
             exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None
+            self.peers.owns_group = exchange is not None
             super().__init__(lm, config, exchange)
             self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:

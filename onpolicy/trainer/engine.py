@@ -145,9 +145,10 @@ class TrainerEngine:
         on a sharded model its replicated ones (embedding, norms, router, LM head)."""
         if not is_sharded(self.model):
             return self.weights_sha256
-        tp = self.model.parallel.tp.degree
+        par = self.model.parallel
         return weights_sha256({n: t for n, t in self.model.state_dict().items()
-                               if placement(n, self.model.config, tp) == REPLICATED})
+                               if (where := placement(n, self.model.config, par.tp.degree)) == REPLICATED
+                               or (where.group == "ep" and par.ep.degree == 1)})
 
     # ------------------------------------------------------------------ forward
     def compute_logprobs(self, seqs: Sequence[ScoredSequence], pack_tokens: int | None = None) -> list[Tensor]:
@@ -253,7 +254,7 @@ class TrainerEngine:
         max_diff: float | None = None
         recompute_seconds = 0.0
         if recompute_old:  # the baseline that bitwise-consistent rollout logprobs make unnecessary
-            fresh = dict(zip(own, self.compute_logprobs([seqs[i] for i in own]), strict=True))
+            fresh = dict(zip(own, TrainerEngine.compute_logprobs(self, [seqs[i] for i in own]), strict=True))
             local = max((float((old[i] - fresh[i]).abs().max()) for i in own), default=0.0)
             max_diff = max(ex.all_gather_object(local))
             old, recompute_seconds = fresh, time.perf_counter() - t0
@@ -322,12 +323,16 @@ class TrainerEngine:
         """Every rank's ``local_state`` in rank order (one rank: this engine's)."""
         return [self.local_state()]
 
+    def rank_weights(self) -> list[dict[str, Tensor]]:
+        """Every rank's own weights in rank order (one rank: this engine's)."""
+        return [self.model.state_dict()]
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """The unsharded weights (this engine's own ``state_dict`` unless it is one shard of several)."""
         if not is_sharded(self.model):
             return self.model.state_dict()
         if self._full[0] != self.step:
-            self._full = (self.step, self._unshard([s.model for s in self.rank_states()]))
+            self._full = (self.step, self._unshard(self.rank_weights()))
         return self._full[1]
 
     def _unshard(self, parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -366,34 +371,50 @@ class TrainerEngine:
             model=model, optimizer=optimizer, rng=self.rng_state(), extra_json=extra_json or "{}", reference=reference)
         return save_checkpoint(directory, state)
 
-    def restore(self, state: CheckpointState) -> None:
-        """Continue from ``state`` exactly: weights, optimizer moments, reference, RNG, step (a sharded
-        engine keeps its shard of each)."""
+    def check_restorable(self, state: CheckpointState) -> None:
+        """Raise ``CheckpointError`` unless ``restore(state)`` can apply every part of ``state``."""
         if state.kernel_fingerprint != self.kernel_fingerprint:
             raise CheckpointError(f"checkpoint was written under kernel fingerprint {state.kernel_fingerprint!r}, "
                                   f"this engine runs {self.kernel_fingerprint!r}")
         full = self.full_parameters
-        if set(state.model) != set(full):
-            raise CheckpointError(f"checkpoint weights do not match model {self.lm.name!r} "
-                                  f"(differing names: {sorted(set(state.model) ^ set(full))[:3]})")
-        for name, shape in full.items():
-            if tuple(state.model[name].shape) != shape:
-                raise CheckpointError(f"checkpoint {name} has shape {tuple(state.model[name].shape)}, "
-                                      f"model has {shape}")
-        mine = shard_state_dict(state.model, self.model.config, self.model.parallel)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(mine[name].to(p.dtype))
-        self.optimizer = None
+        for part, tensors in (("weights", state.model), ("reference", state.reference)):
+            if tensors is None:
+                continue
+            if set(tensors) != set(full):
+                raise CheckpointError(f"checkpoint {part} do not match model {self.lm.name!r} "
+                                      f"(differing names: {sorted(set(tensors) ^ set(full))[:3]})")
+            for name, shape in full.items():
+                if tuple(tensors[name].shape) != shape:
+                    raise CheckpointError(f"checkpoint {part}: {name} has shape {tuple(tensors[name].shape)}, "
+                                          f"model has {shape}")
         if state.optimizer is not None:
-            named, hyper = named_state(state.optimizer, list(full))
-            self.optimizer = torch.optim.AdamW(self.params, lr=1.0, foreach=False)
-            self.optimizer.load_state_dict(indexed_state(shard_optimizer_state(named, self.model), hyper,
-                                                         [n for n, _ in self.model.named_parameters()]))
-        self.reference = None if state.reference is None else self._clone_model(
-            shard_state_dict(state.reference, self.model.config, self.model.parallel))
-        torch.set_rng_state(state.rng["torch"])
-        random.setstate(state.rng["python"])
-        self.generator.set_state(state.rng["engine"])
-        self.step = state.step
-        self._sha, self._full = (-1, ""), (-1, {})
+            try:
+                named_state(state.optimizer, list(full))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"checkpoint optimizer state does not fit model {self.lm.name!r}: {e}") from None
+
+    def restore(self, state: CheckpointState) -> None:
+        """Continue from ``state`` exactly: weights, optimizer moments, reference, RNG, step (a sharded
+        engine keeps its shard of each). Checked first (``check_restorable``): a checkpoint that does
+        not fit changes nothing."""
+        self.check_restorable(state)
+        cfg, par = self.model.config, self.model.parallel
+        mine = shard_state_dict(state.model, cfg, par)
+        optimizer = None
+        if state.optimizer is not None:
+            named, hyper = named_state(state.optimizer, list(self.full_parameters))
+            optimizer = torch.optim.AdamW(self.params, lr=1.0, foreach=False)
+            optimizer.load_state_dict(indexed_state(shard_optimizer_state(named, self.model), hyper,
+                                                    [n for n, _ in self.model.named_parameters()]))
+        reference = None if state.reference is None else self._clone_model(shard_state_dict(state.reference, cfg, par))
+        try:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(mine[name].to(p.dtype))
+            self.optimizer, self.reference = optimizer, reference
+            torch.set_rng_state(state.rng["torch"])
+            random.setstate(state.rng["python"])
+            self.generator.set_state(state.rng["engine"])
+            self.step = state.step
+        finally:
+            self._sha, self._full = (-1, ""), (-1, {})

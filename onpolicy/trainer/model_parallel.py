@@ -74,6 +74,7 @@ class ModelParallelEngine(RankZeroEngine):
             layout = Layout(tp, ep, 0, self.world)
             if self.world > 1:
                 init_loopback(0, self.world, port, timeout_s)
+                self.peers.owns_group = True
             super().__init__(shard_model(lm, model_parallel(layout)), config)
             self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:
@@ -89,3 +90,6 @@ class ModelParallelEngine(RankZeroEngine):
 
     def rank_states(self) -> list[LocalState]:
         return [self.local_state(), *self._ask("local_state")]
+
+    def rank_weights(self) -> list[dict[str, Tensor]]:
+        return [self.model.state_dict(), *self.peer_state_dicts()]

@@ -19,16 +19,17 @@ from typing import Any
 
 from torch import Tensor
 
-from onpolicy.parallel.peers import Peers, start_peers
+from onpolicy.parallel.peers import PeerFailed, Peers, start_peers
 
-from .checkpoint import CheckpointState
+from .checkpoint import CheckpointError, CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainSample
 from .engine import LocalState, TrainerEngine
 from .forward import ScoredSequence
 
 
-class ReplicaDivergence(RuntimeError):
-    """Ranks ended a step holding different replicated weights (a broken invariant, never expected)."""
+class ReplicaDivergence(PeerFailed):
+    """Ranks ended a step holding different replicated weights (a broken invariant, never expected):
+    the world is ended like after a lost rank, so the service restarts and resumes from a checkpoint."""
 
 
 class RankWorker:
@@ -84,9 +85,10 @@ class RankZeroEngine(TrainerEngine):
     def _check_peers(self, shas: list[str], when: str) -> None:
         mine = self.replica_sha256()
         if any(sha != mine for sha in shas):
-            raise ReplicaDivergence(f"{self.kind} ranks hold different replicated weights {when}: rank 0 "
-                                    f"{mine[:12]}, " + ", ".join(f"rank {r}: {sha[:12]}"
-                                                                 for r, sha in enumerate(shas, start=1)))
+            why = (f"{self.kind} ranks hold different replicated weights {when}: rank 0 {mine[:12]}, "
+                   + ", ".join(f"rank {r}: {sha[:12]}" for r, sha in enumerate(shas, start=1)))
+            self.peers.lost(why)
+            raise ReplicaDivergence(why)
 
     def _mirrored(self, method: str, args: tuple[Any, ...], local: Callable[[], Any]) -> tuple[Any, list[Any]]:
         """Call ``method(*args)`` on every peer, run ``local()`` (rank 0's part), then wait for the
@@ -99,7 +101,7 @@ class RankZeroEngine(TrainerEngine):
         if not self.peers:
             return local(), []
         self.peers.mirror(method, *(ray.put(a) if isinstance(a, list | CheckpointState) else a for a in args))
-        out = self.peers.local(local, alike=(ValueError, FloatingPointError))
+        out = self.peers.local(local, alike=(ValueError, FloatingPointError, CheckpointError))
         return out, self.peers.settle()
 
     def train_step(self, samples: Sequence[TrainSample], loss: LossConfig, opt: OptimizerConfig,
@@ -112,6 +114,9 @@ class RankZeroEngine(TrainerEngine):
         return stats
 
     def restore(self, state: CheckpointState) -> None:
+        """Every rank restores ``state``; one this engine cannot restore is refused by rank 0 first
+        (``CheckpointError``), before any rank changes."""
+        self.check_restorable(state)
         _, shas = self._mirrored("restore", (state,), lambda: super(RankZeroEngine, self).restore(state))
         self._check_peers(shas, f"restoring step {self.step}")
 

@@ -69,7 +69,7 @@ def clip_sharded_grad_norm(model: CausalLM, max_norm: float, names: Sequence[str
     (``nan``/``inf`` when a gradient is not finite)."""
     local = dict(model.named_parameters())
     mine = torch.stack([torch.linalg.vector_norm(p.grad.float(), 2) if p.grad is not None
-                        else torch.zeros((), dtype=torch.float32) for p in local.values()])
+                        else p.new_zeros((), dtype=torch.float32) for p in local.values()])
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     index = [{n: i for i, n in enumerate(names_r)} for names_r in rank_names]

@@ -58,7 +58,12 @@ def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_c
     else:
         engine = TrainerEngine(lm, trainer_config)
     if restore_from is not None:
-        state = load_checkpoint(restore_from)
-        engine.restore(state)
+        try:
+            state = load_checkpoint(restore_from)
+            engine.restore(state)
+        except BaseException:
+            if hasattr(engine, "close"):
+                engine.close()  # a multi-rank engine's peers and gloo world
+            raise
         log.info("trainer resumed from %s at step %d", state.path, state.step)
     return TrainerServicer(engine)

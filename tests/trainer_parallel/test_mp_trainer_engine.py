@@ -13,7 +13,7 @@ import torch
 
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.trainer.checkpoint import load_checkpoint
+from onpolicy.trainer.checkpoint import CheckpointError, load_checkpoint
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainerConfig, TrainSample
 from onpolicy.trainer.engine import TrainerEngine
 from onpolicy.trainer.model_parallel import ModelParallelEngine
@@ -68,11 +68,13 @@ def test_sharded_trainer_matches_unsharded(ray_cluster: None, model: str, tp: in
             assert torch.equal(a, b)
 
         saved = mp.save_checkpoint(tmp_path / "ckpt")
-        mp.train_step(batches[1], LOSSES[1], OPT)
+        # step 2 recomputes the old logprobs (a mirrored forward inside the mirrored step)
+        s2 = mp.train_step(batches[1], LOSSES[1], OPT, recompute_old=True)
+        assert s2.recompute_seconds > 0 and s2.old_logprob_max_abs_diff > 0  # the weights moved since the rollout
         after = mp.state_dict_for_rollout()
         mp.restore(load_checkpoint(saved))
         assert mp.step == 1 and _equal(mp.state_dict_for_rollout(), full)
-        mp.train_step(batches[1], LOSSES[1], OPT)
+        mp.train_step(batches[1], LOSSES[1], OPT, recompute_old=True)
         assert _equal(mp.state_dict_for_rollout(), after)  # resumed bitwise: moments and reference restored
 
     # the checkpoint is unsharded: an unsharded trainer restores it and writes back the same state
@@ -86,3 +88,21 @@ def test_sharded_trainer_matches_unsharded(ray_cluster: None, model: str, tp: in
     for i, st in first.optimizer["state"].items():
         assert all(torch.equal(st[k], again.optimizer["state"][i][k]) for k in st)
     assert first.reference is not None and again.reference is not None and _equal(first.reference, again.reference)
+
+
+def test_refused_calls_keep_the_world(ray_cluster: None, tmp_path: Path,
+                                      rollout_batches: Callable[[str], list[list[TrainSample]]],
+                                      load_tiny: Callable[..., LoadedModel]) -> None:
+    """A batch every rank refuses, a checkpoint of another model: clear errors, and the ranks still
+    train together afterwards (only a lost rank ends the world)."""
+    batch = rollout_batches("tiny-qwen3")[0]
+    other = TrainerEngine(load_tiny("tiny-qwen3-moe", fresh=True), TRAINER)
+    foreign = load_checkpoint(other.save_checkpoint(tmp_path / "moe"))
+    with num_threads(1), ModelParallelEngine(load_tiny("tiny-qwen3", fresh=True), TRAINER, tp=2,
+                                             model_ref="tiny-qwen3", threads_per_worker=1) as mp:
+        with pytest.raises(ValueError, match="minibatches"):
+            mp.train_step(batch, LossConfig(minibatches=len(batch) + 1), OPT)
+        with pytest.raises(CheckpointError, match="do not match model"):
+            mp.restore(foreign)
+        assert mp.failed == "" and mp.step == 0
+        assert mp.train_step(batch, LOSSES[0], OPT).step == 1
