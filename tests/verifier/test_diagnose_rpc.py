@@ -41,7 +41,9 @@ def test_fast_rollout_is_an_operator_fault(verifier) -> None:
     r = verifier.Diagnose(api.verifier_pb2.DiagnoseRequest(sample=sample("fast"), rollout_options="kernels=fast"),
                           timeout=300)
     assert r.divergent and r.fault_class == "operator" and r.op == "linear" and r.layer == 0
-    assert r.max_abs_logdiff > 0
+    # whether the operator drift reaches this one sequence's logprobs depends on the CPU's GEMM
+    # kernels (it does with AVX-512, not on an AVX2 machine); the doctor says which
+    assert r.max_abs_logdiff > 0 or "did not reach this sequence's token logprobs" in r.report_json
 
 
 def test_bad_options_name_the_field(verifier) -> None:
