@@ -23,13 +23,12 @@ from typing import Any
 import torch
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel, shard_model, weights_sha256
+from onpolicy.models.checkpoint import LoadedModel, weights_sha256
 from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 
-from .groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
-from .launch import free_port
-from .layout import Layout, check_degrees
-from .peers import Loader, Peers, sharded_peer_model, start_peers
+from .groups import DEFAULT_TIMEOUT_S
+from .layout import Layout
+from .peers import Loader, sharded_peer_model, start_sharded
 
 
 class RolloutPeer:
@@ -68,23 +67,15 @@ class MirroredRolloutEngine(RolloutEngine):
                  model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
                  peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  peer_name: str = "") -> None:
-        kernel_config = lm.model.ops.config
-        check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
         self.world = math.lcm(tp, ep)
         self.timeout_s = timeout_s
         self.weights_sha256 = lm.weights_sha256
-        threads = threads_per_worker or torch.get_num_threads()
-        port = free_port()
-        self.peers = Peers("rollout", start_peers(
-            RolloutPeer, self.world, lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config,
-                                                   config, threads, timeout_s, loader),
-            peer_options or {"num_cpus": threads}, peer_name), timeout_s)
+        self.peers, shard = start_sharded(
+            "rollout", RolloutPeer, lm, tp, ep, model_ref=model_ref, config=config, loader=loader,
+            threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
+            peer_name=peer_name)
         try:
-            layout = Layout(tp, ep, 0, self.world)
-            if self.world > 1:
-                init_loopback(layout.rank, layout.world, port, timeout_s)
-                self.peers.owns_group = True
-            super().__init__(shard_model(lm, model_parallel(layout)), config)
+            super().__init__(shard, config)
             self.peers.mirror("ready")
             self.peers.settle()
         except BaseException:

@@ -183,3 +183,39 @@ class Peers:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+def start_sharded(kind: str, worker: type, lm: LoadedModel, tp: int, ep: int, *, model_ref: str, config: Any,
+                  loader: Loader | None, threads_per_worker: int | None, peer_options: dict[str, Any] | None,
+                  timeout_s: float, peer_name: str) -> tuple[Peers, LoadedModel]:
+    """Rank 0's side of a ``tp`` x ``ep`` world over the full model ``lm``: the peers
+    ``worker(layout, port, model_ref, kernel_config, config, threads, timeout_s, loader)`` for ranks
+    ``1..world-1`` (``world = lcm(tp, ep)``), this process joined to their gloo world, and rank 0's
+    shard of ``lm``. On failure the peers are ended."""
+    import math
+
+    import torch
+
+    from onpolicy.models.checkpoint import shard_model
+
+    from .groups import init_loopback, model_parallel
+    from .launch import free_port
+    from .layout import check_degrees
+
+    kernel_config = lm.model.ops.config
+    check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
+    world = math.lcm(tp, ep)
+    threads = threads_per_worker or torch.get_num_threads()
+    port = free_port()
+    peers = Peers(kind, start_peers(
+        worker, world, lambda rank: (Layout(tp, ep, rank, world), port, model_ref, kernel_config, config, threads,
+                                     timeout_s, loader),
+        peer_options or {"num_cpus": threads}, peer_name), timeout_s)
+    try:
+        if world > 1:
+            init_loopback(0, world, port, timeout_s)
+            peers.owns_group = True
+        return peers, shard_model(lm, model_parallel(Layout(tp, ep, 0, world)))
+    except BaseException:
+        peers.close()
+        raise

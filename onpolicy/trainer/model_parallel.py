@@ -23,15 +23,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel, shard_model
-from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S, init_loopback, model_parallel
-from onpolicy.parallel.launch import free_port
-from onpolicy.parallel.layout import Layout, check_degrees
-from onpolicy.parallel.peers import Loader, sharded_peer_model
+from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S
+from onpolicy.parallel.layout import Layout
+from onpolicy.parallel.peers import Loader, sharded_peer_model, start_sharded
 
 from .config import TrainerConfig
 from .engine import LocalState, TrainerEngine
@@ -60,22 +58,13 @@ class ModelParallelEngine(RankZeroEngine):
                  model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
                  peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  peer_name: str = "") -> None:
-        kernel_config = lm.model.ops.config
-        check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
         self.world = math.lcm(tp, ep)
-        threads = threads_per_worker or torch.get_num_threads()
-        port = free_port()
-        self._start_peers(
-            ModelParallelWorker, self.world,
-            lambda rank: (Layout(tp, ep, rank, self.world), port, model_ref, kernel_config, config, threads,
-                          timeout_s, loader),
-            peer_options or {"num_cpus": threads}, timeout_s, peer_name)
+        self.peers, shard = start_sharded(
+            "trainer", ModelParallelWorker, lm, tp, ep, model_ref=model_ref, config=config, loader=loader,
+            threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
+            peer_name=peer_name)
         try:
-            layout = Layout(tp, ep, 0, self.world)
-            if self.world > 1:
-                init_loopback(0, self.world, port, timeout_s)
-                self.peers.owns_group = True
-            super().__init__(shard_model(lm, model_parallel(layout)), config)
+            super().__init__(shard, config)
             self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:
             self.close()

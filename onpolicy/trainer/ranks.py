@@ -61,8 +61,9 @@ class RankWorker:
 
 
 class RankZeroEngine(TrainerEngine):
-    """Rank 0 of ``world`` trainer ranks. A subclass calls ``_start_peers`` before joining the process
-    group (the peers join it concurrently), then ``TrainerEngine.__init__``, then ``_check_peers``."""
+    """Rank 0 of ``world`` trainer ranks. A subclass starts its peers (``_start_peers``, or
+    ``onpolicy.parallel.peers.start_sharded`` for a sharded world) before joining the process group
+    (the peers join it concurrently), then calls ``TrainerEngine.__init__``, then ``_check_peers``."""
 
     kind = "trainer"
     peers: Peers
