@@ -3,20 +3,58 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+# Seconds a new local cluster's GCS gets to publish its port. Ray's own default is 30 s, and a
+# loaded or briefly stalled VM has missed it: in one CI run the GCS had not even opened its log
+# within 30 s, twice in a row, while a minute later the same process started Ray normally.
+GCS_START_WAIT_S = 120
+GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's own setting, read when a local GCS starts
+# A local start that still times out is tried once more on a fresh session directory.
+LOCAL_START_ATTEMPTS = 2
 
 
 def ray_env() -> None:
     """Environment every onpolicy Ray process runs with: no usage stats; every listener of a local
     cluster on 127.0.0.1 (measured with Ray 2.60: with this variable set to 0 nothing binds other
-    interfaces)."""
+    interfaces); a longer wait for the GCS to come up (an operator's own setting wins)."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault(GCS_WAIT_ENV, str(GCS_START_WAIT_S))
+
+
+def is_start_timeout(error: BaseException) -> bool:
+    """True for Ray's "the GCS never published its port" failure, which a retry can cure."""
+    return isinstance(error, RuntimeError) and "Timed out waiting for file" in str(error)
+
+
+def kill_session(error: BaseException) -> list[int]:
+    """SIGKILL the processes of the local session a timed-out start left behind (Ray forgets the
+    GCS it spawned when ``ray.init`` fails, and it would live as long as this process). Returns
+    their pids."""
+    match = re.search(r"(/\S+/session_[^/\s]+)/", str(error))
+    if not match:
+        return []
+    marker = f"--session-dir={match.group(1)} ".encode()
+    killed = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "cmdline").read_bytes().replace(b"\0", b" ") + b" ":
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return killed
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Attach to ``address`` (e.g. ``ray://…`` or ``auto``) or start an embedded local Ray on loopback.
     Returns the GCS address. Logical CPUs of a local cluster default to max(8, cores) so the three
-    role actors of a job can be placed on a small machine (each sets its own thread count)."""
+    role actors of a job can be placed on a small machine (each sets its own thread count). A local
+    start whose GCS times out is retried once, with a line on stderr; other errors propagate."""
     ray_env()
     import ray
 
@@ -24,10 +62,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         return str(ray.get_runtime_context().gcs_address)
     if address:
         ray.init(address=address, log_to_driver=False)
-    else:
-        # address="local": always a new cluster, never one another process left running
-        ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        return str(ray.get_runtime_context().gcs_address)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            # address="local": always a new cluster, never one another process left running
+            ray.init(address="local", num_cpus=num_cpus or max(8, os.cpu_count() or 1),
+                     include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+            break
+        except RuntimeError as e:
+            ray.shutdown()
+            if is_start_timeout(e):
+                kill_session(e)
+            if attempt == LOCAL_START_ATTEMPTS or not is_start_timeout(e):
+                raise
+            print(f"onpolicy: local Ray did not start ({e}); trying again "
+                  f"({attempt + 1}/{LOCAL_START_ATTEMPTS})", file=sys.stderr, flush=True)
     return str(ray.get_runtime_context().gcs_address)
 
 
