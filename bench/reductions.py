@@ -90,7 +90,6 @@ def _tp1(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> l
     import torch
 
     from onpolicy.kernels import KernelConfig, get_backend
-    from onpolicy.kernels.reference.linear import tiled_linear
 
     ref, fast = get_backend(KernelConfig()), get_backend(KernelConfig(backend="fast"))
     gen = torch.Generator().manual_seed(0)
@@ -100,9 +99,9 @@ def _tp1(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> l
         for n in rows:
             x = torch.randn(n, k, generator=gen)
             canon, plain, flin = _times([lambda x=x, w=w: ref.row_linear(x, w),
-                                         lambda x=x, w=w: tiled_linear(x, w.weight, ref.config.row_tile),
+                                         lambda x=x, w=w: ref.linear(x, w.weight),
                                          lambda x=x, w=w: fast.row_linear(x, w)], repeats)
-            out.append((f"tp1 {name} [{n}x{k}]->{o} canonical vs row-tiled GEMM", 1 / canon, 1 / plain, "calls/s"))
+            out.append((f"tp1 {name} [{n}x{k}]->{o} canonical vs one rowdot linear", 1 / canon, 1 / plain, "calls/s"))
             out.append((f"tp1 {name} [{n}x{k}]->{o} canonical vs fast F.linear", 1 / canon, 1 / flin, "calls/s"))
     return out
 
@@ -133,7 +132,7 @@ def _tp2_worker(rank: int, world: int, shapes: dict[str, tuple[int, int]], rows:
 
 def _whole_model(model: str, rounds: int) -> list[tuple[str, float, float, str]]:
     """The model with the canonical reduction vs the same model whose row-parallel linears are one
-    plain row-tiled GEMM (TP=1; not invariant across degrees), swapped round by round."""
+    plain rowdot linear over all of K (TP=1; not invariant across degrees), swapped round by round."""
     import statistics
 
     import torch
@@ -141,14 +140,13 @@ def _whole_model(model: str, rounds: int) -> list[tuple[str, float, float, str]]
     from onpolicy.kernels import KernelConfig, get_backend
     from onpolicy.kernels.backend import SINGLE, RowWeight, ShardGroup
     from onpolicy.kernels.reference import ReferenceBackend
-    from onpolicy.kernels.reference.linear import tiled_linear
     from onpolicy.models.registry import load_model
     from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
     from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
     class PlainRows(ReferenceBackend):
         def row_linear(self, x: torch.Tensor, weight: RowWeight, group: ShardGroup = SINGLE) -> torch.Tensor:
-            return tiled_linear(x, weight.weight, self.config.row_tile)
+            return self.linear(x, weight.weight)
 
     lm = load_model(model, get_backend(KernelConfig()))
     variants = {"canonical": lm.model.ops, "plain": PlainRows(lm.model.ops.config)}

@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from onpolicy.home import onpolicy_home
+
+from . import native
 from .backend import SINGLE, Backend, chunk_major, fold_chunks
 from .config import KernelConfig
 from .kv import AttentionBatch, ContiguousKV, PagedKV
-from .reference.linear import COLUMN_CHUNK
 from .registry import get_backend
 from .sampling import sample
 
@@ -315,9 +317,8 @@ def _head_slice_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: tor
 
 def _lm_head_grad_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
     """The LM head + log-softmax without autograd (rollout, scoring) vs with it (training forward):
-    the reference backend computes the former in column chunks (``column_chunked_linear``), which
-    must give the bits of its one-call GEMM. The vocabulary spans two chunks and a remainder."""
-    lm = (torch.randn(2 * COLUMN_CHUNK + 300, s.hidden, generator=gen) * 0.05).to(dtype)
+    the two run different code (a plain call vs an autograd function) and must give the same bits."""
+    lm = (torch.randn(2348, s.hidden, generator=gen) * 0.05).to(dtype)
     fails, checked = [], 0
     for m in (1, 8, 13, 64):
         x = torch.randn(m, s.hidden, generator=gen).to(dtype)
@@ -330,6 +331,24 @@ def _lm_head_grad_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: t
         if not torch.equal(plain, trained):
             fails.append(f"{m} rows")
     return ProbeResult("logprobs/no-grad-vs-autograd", not fails, checked, "; ".join(fails))
+
+
+def _native_paths_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
+    """rowdot's vector path (when this CPU runs it) gives the bits of its portable path, and one
+    thread the bits of several: the order of additions is the algorithm's, not the machine's.
+    Shapes cover K and N remainders of every micro-tile, bf16 and mixed operands."""
+    fails, checked = [], 0
+    for m, n, k in ((1, 7, 5), (3, 33, 64), (5, 96, 97), (8, 193, 576), (70, 40, 129)):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for w in (torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).bfloat16()):
+            got = native.rowdot(x, w)
+            checked += 2
+            if not torch.equal(got, native.rowdot(x, w, portable=True)):
+                fails.append(f"vector vs portable {m}x{n}x{k} {w.dtype}")
+            if not torch.equal(got, native.rowdot(x, w, threads=1)):
+                fails.append(f"1 thread vs {torch.get_num_threads()} {m}x{n}x{k} {w.dtype}")
+    path = "vector (AVX2+FMA)" if native.vector_path() else "portable only"
+    return ProbeResult("linear/rowdot-paths", not fails, checked, "; ".join(fails[:4]) or path)
 
 
 def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
@@ -365,6 +384,8 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
                 progress(f"{'ok  ' if r.passed else 'FAIL'} {r.name} ({r.checked} checks){detail}")
 
     add(_elementwise_paths())
+    if config.backend == "reference":
+        add(_native_paths_probe(dt, gen))
     rows = 64
     linears = {"qkv": (s.hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
                "o_proj": (s.num_heads * s.head_dim, s.hidden), "up": (s.hidden, s.intermediate),
@@ -410,10 +431,13 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
 
 
 def certificate_path(config: KernelConfig) -> Path:
-    home = Path(os.environ.get("ONPOLICY_HOME", Path.home() / ".cache" / "onpolicy"))
+    """Keyed by the fingerprint, the machine, torch and (reference backend) the native build."""
     m = machine_info()
-    key = hashlib.sha256(json.dumps([m["processor"], m["cpu_capability"], m["torch"]]).encode()).hexdigest()[:10]
-    return home / "certificates" / f"{config.fingerprint}-{key}.json"
+    parts = [m["processor"], m["cpu_capability"], m["torch"]]
+    if config.backend == "reference":
+        parts.append(native.library_path().name)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:10]
+    return onpolicy_home() / "certificates" / f"{config.fingerprint}-{key}.json"
 
 
 def save_certificate(report: SelftestReport, config: KernelConfig) -> Path:

@@ -5,21 +5,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import native
 from ..backend import Backend, MoERouting
 from ..kv import AttentionBatch, KVSource
 from . import elementwise, moe
 from .attention import attention
-from .linear import chunked_bmm, column_chunked_linear, tiled_linear
 
 
 class ReferenceBackend(Backend):
     name = "reference"
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return tiled_linear(x, weight, self.config.row_tile)
+        if x.dim() != 2:
+            raise ValueError(f"linear expects 2-D input [N, K], got shape {tuple(x.shape)}")
+        return native.linear(x, weight)
 
     def chunk_partials(self, x: Tensor, chunks: Tensor) -> Tensor:
-        return chunked_bmm(x, chunks, self.config.row_tile)
+        # each chunk of x read in place (rowdot takes a row stride); a partial's bits depend only on
+        # its own chunk, whatever the number of chunks
+        kc = chunks.shape[2]
+        return torch.stack([native.linear(x[:, i * kc:(i + 1) * kc], chunks[i]) for i in range(chunks.shape[0])])
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return elementwise.rmsnorm(x, weight, eps)
@@ -40,9 +45,6 @@ class ReferenceBackend(Backend):
         return moe.combine(expert_out, routing)
 
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
-        h, w = hidden.float(), lm_head.float()
-        if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            logits = tiled_linear(h, w, self.config.row_tile)
-        else:  # the same bits (certified column-slice invariance), faster for few rows
-            logits = column_chunked_linear(h, w, self.config.row_tile)
+        # fp32 logits; a bf16 LM head is widened inside rowdot (exact) instead of copied to fp32
+        logits = native.linear(hidden.float(), lm_head)
         return torch.log_softmax(logits / temperature[:, None], dim=-1)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from onpolicy.home import onpolicy_home
 
 SEED = 1234
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,7 +41,7 @@ CHAT_TEMPLATE = (
 
 
 def home() -> Path:
-    return Path(os.environ.get("ONPOLICY_HOME", Path.home() / ".cache" / "onpolicy"))
+    return onpolicy_home()
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from onpolicy.home import onpolicy_home
 
 
 def default_mismatch_dir() -> Path:
     """``$ONPOLICY_HOME/mismatches`` (``~/.cache/onpolicy/mismatches`` when unset)."""
-    home = os.environ.get("ONPOLICY_HOME") or str(Path.home() / ".cache" / "onpolicy")
-    return Path(home) / "mismatches"
+    return onpolicy_home() / "mismatches"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -207,6 +207,15 @@ def test_images_keep_the_probes_tools_and_a_lean_context(path) -> None:
     assert {".git", ".venv"} <= set(ignore)
 
 
+def test_cpu_image_builds_the_native_linear_as_the_service_user() -> None:
+    df = parse_dockerfile(DOCKERFILE)
+    assert any(re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", r) for r in df.runs)
+    user = df.text.index("USER 1000")
+    build = df.text.index("native.build()")
+    assert build > user  # $ONPOLICY_HOME is the service user's, so the build lands where it looks
+    assert "native.build()" in SETUP.read_text()
+
+
 def test_ray_cluster_launcher_config_is_accepted_by_ray() -> None:
     need("ray", "checks deploy/ray/cluster.yaml with Ray's own config code")
     from ray.autoscaler._private.util import prepare_config, validate_config

@@ -25,6 +25,7 @@ EXPECTED_PROBES = {
     "elementwise/exp-log-paths", "rmsnorm", "rmsnorm/head", "rope", "swiglu", "logprobs/lm-head-log-softmax",
     "moe/route", "moe/route-ids", "attention/prefill-vs-training", "attention/paged-decode-vs-training",
     "attention/chunked-prefill-paged-vs-training", "attention/threads", "sampling/alone-vs-batch",
+    "linear/rowdot-paths",
 }
 
 
@@ -38,7 +39,7 @@ def test_reference_backend_certified(dtype: str, kv_tile: int) -> None:
     assert report.certified, failed
     names = {p.name for p in report.probes}
     assert names >= EXPECTED_PROBES
-    assert sum(n.startswith("linear/") for n in names) == 4
+    assert sum(n.startswith("linear/") for n in names) == 5  # four model linears + rowdot's paths
     assert all(p.checked > 0 for p in report.probes)
     assert report.fingerprint == cfg.fingerprint and report.backend == "reference"
 

@@ -1,0 +1,153 @@
+"""Native CPU kernels of the consistent operator set: ``rowdot``, the linear whose order of additions
+is fixed by the algorithm (``rowdot.c`` states it), so its bits do not depend on the row count,
+the columns a call computes, the micro-tile or the thread count.
+
+The C source is compiled on first use with the system C compiler (``$CC``, default ``cc``) into
+``$ONPOLICY_HOME/native/`` under a name that hashes the source, the flags and the compiler's
+version, and loaded with ctypes; ``onpolicy selftest`` and ``scripts/setup.sh`` build it ahead.
+The build is atomic (compiled to a temporary name, then renamed), so processes that start together
+(Ray actors) never load a half-written library. Its OpenMP runtime is torch's own ``libgomp``
+(loaded first, same soname), so it shares torch's thread pool instead of competing with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from onpolicy.home import onpolicy_home
+
+SOURCE = Path(__file__).with_name("rowdot.c")
+#: No -ffast-math, no FP contraction: the source's operations are the arithmetic.
+CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
+_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_OPERAND_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or failed; the message says which and how."""
+
+
+def compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _compiler_version(cc: str) -> str:
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeBuildError(
+            f"the consistent kernels need a C compiler to build {SOURCE.name}, and {cc!r} was not found "
+            "(install gcc, e.g. `apt-get install gcc`, or point $CC at one)")
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0] if out.stdout else path
+
+
+def library_path() -> Path:
+    """Where the library for this source, these flags and this compiler lives."""
+    cc = compiler()
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version(cc).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return onpolicy_home() / "native" / f"rowdot-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile ``rowdot.c`` unless this exact build exists; returns the library's path."""
+    target = library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch_lib = Path(torch.__file__).parent / "lib"  # link torch's libgomp (the runtime it loaded)
+    fd, tmp = tempfile.mkstemp(prefix=".rowdot-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler(), *CFLAGS, str(SOURCE), "-o", tmp, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
+            raise NativeBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}): " + " | ".join(tail))
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    lib.rowdot.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    lib.rowdot.restype = None
+    lib.rowdot_vector_path.argtypes = []
+    lib.rowdot_vector_path.restype = _INT
+    return lib
+
+
+def vector_path() -> bool:
+    """Whether this CPU runs rowdot's AVX2+FMA path (the portable path gives the same bits)."""
+    return bool(library().rowdot_vector_path())
+
+
+def _operand(t: Tensor, name: str) -> Tensor:
+    if t.dim() != 2:
+        raise ValueError(f"rowdot expects 2-D {name}, got shape {tuple(t.shape)}")
+    if t.dtype not in _OPERAND_DTYPES:
+        raise ValueError(f"rowdot supports fp32 and bf16 {name}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"rowdot runs on CPU tensors, {name} is on {t.device}")
+    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
+def rowdot(x: Tensor, weight: Tensor, *, portable: bool = False, threads: int | None = None) -> Tensor:
+    """``x [M, K] @ weight [N, K].T`` in fp32 (``[M, N]``), with rowdot's fixed order of additions.
+    ``x`` and ``weight`` may each be fp32 or bf16 and any row stride (a column slice of a wider
+    tensor is read in place). ``portable`` runs the portable path; ``threads`` defaults to torch's."""
+    x, weight = _operand(x, "x"), _operand(weight, "weight")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"rowdot: x has {x.shape[1]} columns, weight has {weight.shape[1]}")
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        library().rowdot(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0),
+                         weight.data_ptr(), int(weight.dtype == torch.bfloat16), weight.stride(0),
+                         y.data_ptr(), n, m, n, k, threads or torch.get_num_threads(), int(portable))
+    return y
+
+
+class _RowdotLinear(torch.autograd.Function):
+    """Forward: rowdot. Backward: the GEMMs ``F.linear``'s backward runs (the gradient has no
+    invariance contract; it is deterministic for a given shape)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return rowdot(x, weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = grad.mm(weight.to(grad.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = grad.t().mm(x.to(grad.dtype)).to(weight.dtype)
+        return gx, gw
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` in ``x``'s dtype through rowdot (fp32 accumulation, one rounding at the end),
+    differentiable when autograd is on."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RowdotLinear.apply(x, weight)
+    return rowdot(x, weight).to(x.dtype)

@@ -1,0 +1,207 @@
+/* rowdot: y[m, n] = sum_k x[m, k] * w[n, k] (a linear, weight in torch's [Out, K] layout) with an
+ * order of additions fixed by the algorithm alone, never by the call's shape, tiling or threads.
+ *
+ * The order: K is read in blocks of 8 (the last one zero-padded); lane j (0..7) accumulates
+ * x[k+j] * w[k+j] over the blocks in order with fused multiply-adds, starting from +0; the 8 lanes
+ * are then summed as ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)). Every output element is computed by one
+ * thread in exactly that way whatever M, N, the micro-tile it falls in or the thread count, so a
+ * row's result does not depend on the other rows (batch invariance) or on which columns the call
+ * computes (column-slice invariance). The AVX2+FMA path and the portable path perform the same
+ * IEEE operations (fmaf is the same correctly rounded fused multiply-add), so they give the same
+ * bits; this file must be compiled without -ffast-math and with -ffp-contract=off.
+ *
+ * x and w may each be fp32 or bf16 (bf16 -> fp32 is exact); y is fp32. Row strides in elements. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ROWDOT_X86 1
+#endif
+
+#define LANES 8
+#define MR 4 /* rows of x per micro-tile */
+#define NR 3 /* rows of w per micro-tile */
+#define NBLOCK 96 /* rows of w per parallel task (a multiple of NR and of 4) */
+#define MBLOCK 64 /* rows of x per parallel task (a multiple of MR) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* lanes of one 8-wide block starting at p (n <= 8 valid, rest zero) */
+static inline void block_f32(const void *p, int is_bf16, int64_t k, int n, float out[LANES]) {
+    for (int j = 0; j < LANES; j++) out[j] = 0.0f;
+    if (is_bf16) {
+        const uint16_t *q = (const uint16_t *)p + k;
+        for (int j = 0; j < n; j++) out[j] = bf16_to_f32(q[j]);
+    } else {
+        const float *q = (const float *)p + k;
+        for (int j = 0; j < n; j++) out[j] = q[j];
+    }
+}
+
+static inline float lane_sum(const float a[LANES]) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* Portable path: one element at a time, the same operations as the vector path. */
+static void dot_portable(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw,
+                         float *y, int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K) {
+    float xa[LANES], wa[LANES], acc[LANES];
+    size_t xs = xb ? 2 : 4, ws = wb ? 2 : 4;
+    for (int64_t m = m0; m < m1; m++) {
+        const char *xr = (const char *)x + (size_t)(m * ldx) * xs;
+        for (int64_t n = n0; n < n1; n++) {
+            const char *wr = (const char *)w + (size_t)(n * ldw) * ws;
+            for (int j = 0; j < LANES; j++) acc[j] = 0.0f;
+            for (int64_t k = 0; k < K; k += LANES) {
+                int len = (K - k) < LANES ? (int)(K - k) : LANES;
+                block_f32(xr, xb, k, len, xa);
+                block_f32(wr, wb, k, len, wa);
+                for (int j = 0; j < LANES; j++) acc[j] = fmaf(xa[j], wa[j], acc[j]);
+            }
+            y[m * ldy + n] = lane_sum(acc);
+        }
+    }
+}
+
+#ifdef ROWDOT_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+/* inlined into each dtype specialisation of dot_avx2, so the operand dtypes are constants there */
+#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+
+AVX2_INLINE static __m256 load8(const void *p, int is_bf16, int64_t k) {
+    if (is_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + k);
+}
+
+AVX2_INLINE static __m256 load_tail(const void *p, int is_bf16, int64_t k, int n) {
+    float t[LANES];
+    block_f32(p, is_bf16, k, n, t);
+    return _mm256_loadu_ps(t);
+}
+
+AVX2 static inline float hsum(__m256 a) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* a0+a4 .. a3+a7 */
+    __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                                 /* t0+t2, t1+t3 */
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));                  /* u0 + u1 */
+}
+
+/* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 4), fully unrolled by the compiler
+ * for the constant shapes below. */
+#define TILE(NAME, R, C)                                                                           \
+    AVX2_INLINE static void NAME(const char *x, int xb, size_t xrow, const char *w, int wb, size_t wrow,  \
+                          float *y, int64_t ldy, int64_t K) {                                      \
+        __m256 acc[R][C];                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                           \
+        int64_t kfull = K - K % LANES;                                                             \
+        for (int64_t k = 0; k < kfull; k += LANES) {                                               \
+            __m256 wv[C];                                                                          \
+            for (int c = 0; c < C; c++) wv[c] = load8(w + c * wrow, wb, k);                        \
+            for (int r = 0; r < R; r++) {                                                          \
+                __m256 xv = load8(x + r * xrow, xb, k);                                            \
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);    \
+            }                                                                                      \
+        }                                                                                          \
+        if (kfull < K) {                                                                           \
+            int n = (int)(K - kfull);                                                              \
+            __m256 wv[C];                                                                          \
+            for (int c = 0; c < C; c++) wv[c] = load_tail(w + c * wrow, wb, kfull, n);            \
+            for (int r = 0; r < R; r++) {                                                          \
+                __m256 xv = load_tail(x + r * xrow, xb, kfull, n);                                 \
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);    \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                          \
+    }
+
+TILE(tile_4x3, 4, 3)
+TILE(tile_1x4, 1, 4)
+TILE(tile_1x1, 1, 1)
+
+AVX2_INLINE static void dot_avx2_impl(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw,
+                                      float *y, int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                                      int64_t K) {
+    size_t xrow = (size_t)ldx * (xb ? 2 : 4), wrow = (size_t)ldw * (wb ? 2 : 4);
+    const char *xc = (const char *)x, *wc = (const char *)w;
+    int64_t mfull = m0 + (m1 - m0) - (m1 - m0) % MR;
+    for (int64_t m = m0; m < mfull; m += MR) {
+        int64_t n = n0;
+        for (; n + NR <= n1; n += NR)
+            tile_4x3(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+        for (; n < n1; n++)
+            for (int r = 0; r < MR; r++)
+                tile_1x1(xc + (m + r) * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + (m + r) * ldy + n, ldy, K);
+    }
+    for (int64_t m = mfull; m < m1; m++) {
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4)
+            tile_1x4(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+        for (; n < n1; n++)
+            tile_1x1(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+    }
+}
+#define DOT_AVX2(XB, WB)                                                                           \
+    AVX2 static void dot_avx2_##XB##WB(const void *x, int64_t ldx, const void *w, int64_t ldw, float *y, \
+                                       int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1,       \
+                                       int64_t K) {                                                     \
+        dot_avx2_impl(x, XB, ldx, w, WB, ldw, y, ldy, m0, m1, n0, n1, K);                               \
+    }
+DOT_AVX2(0, 0)
+DOT_AVX2(0, 1)
+DOT_AVX2(1, 0)
+DOT_AVX2(1, 1)
+
+static void dot_avx2(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw, float *y,
+                     int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K) {
+    if (xb)
+        (wb ? dot_avx2_11 : dot_avx2_10)(x, ldx, w, ldw, y, ldy, m0, m1, n0, n1, K);
+    else
+        (wb ? dot_avx2_01 : dot_avx2_00)(x, ldx, w, ldw, y, ldy, m0, m1, n0, n1, K);
+}
+#endif
+
+/* 1 when this build has a vector path and the CPU runs it. */
+int rowdot_vector_path(void) {
+#ifdef ROWDOT_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* y[M, N] (fp32, row stride ldy) = x[M, K] (row stride ldx) . w[N, K]^T (row stride ldw).
+ * x_bf16 / w_bf16: 1 when that operand is bf16. threads: OpenMP threads to use (>= 1).
+ * force_portable: 1 to run the portable path (tests compare both paths' bits). */
+void rowdot(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
+            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int force_portable) {
+    int vector = !force_portable && rowdot_vector_path();
+    int64_t ntasks = (N + NBLOCK - 1) / NBLOCK, mtasks = (M + MBLOCK - 1) / MBLOCK;
+    int64_t tasks = ntasks * mtasks;
+    if (threads < 1) threads = 1;
+    if (tasks < threads) threads = (int)tasks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t mt = t / ntasks, nt = t % ntasks;
+        int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
+        int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
+#ifdef ROWDOT_X86
+        if (vector) {
+            dot_avx2(x, x_bf16, ldx, w, w_bf16, ldw, y, ldy, m0, m1, n0, n1, K);
+            continue;
+        }
+#endif
+        dot_portable(x, x_bf16, ldx, w, w_bf16, ldw, y, ldy, m0, m1, n0, n1, K);
+    }
+}

@@ -1,0 +1,114 @@
+"""rowdot, the consistent linear (kernels/native): its bits depend only on the inputs, never on the
+rows or columns a call computes, its micro-tiles, threads or instruction set; its gradient is the
+plain GEMMs' one; the build is cached and atomic; bad input is a clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onpolicy.kernels import native
+
+SHAPES = [(1, 1, 1), (1, 7, 5), (2, 12, 8), (3, 33, 64), (4, 3, 9), (5, 96, 97), (9, 193, 576), (67, 40, 129)]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+def operands(m: int, n: int, k: int, xd: torch.dtype, wd: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen).to(xd), torch.randn(n, k, generator=gen).to(wd)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("xd,wd", DTYPES)
+def test_bits_do_not_depend_on_rows_columns_threads_or_path(m, n, k, xd, wd) -> None:
+    x, w = operands(m, n, k, xd, wd, m * 1000 + n + k)
+    y = native.rowdot(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y, native.rowdot(x, w, portable=True))
+    assert torch.equal(y, native.rowdot(x, w, threads=1))
+    assert torch.equal(y, native.rowdot(x, w, threads=3))
+    assert torch.equal(y, torch.cat([native.rowdot(x[i:i + 1], w) for i in range(m)]))
+    assert torch.equal(y, torch.cat([native.rowdot(x, w[a:a + 5]) for a in range(0, n, 5)], 1))
+    # the row inside a bigger batch of other rows (a decode row among a training batch)
+    others = torch.cat([torch.randn(70, k).to(xd), x, torch.randn(3, k).to(xd)])
+    assert torch.equal(native.rowdot(others, w)[70:70 + m], y)
+    ref = x.double() @ w.double().T
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_a_column_slice_of_x_is_read_in_place() -> None:
+    x, w = operands(6, 20, 128, torch.float32, torch.float32, 3)
+    part = x[:, 32:96]
+    assert part.stride() == (128, 1)
+    assert torch.equal(native.rowdot(part, w[:, 32:96]), native.rowdot(part.contiguous(), w[:, 32:96].contiguous()))
+    # a transposed operand is copied first, with the same bits
+    assert torch.equal(native.rowdot(x.t().contiguous().t(), w), native.rowdot(x, w))
+
+
+def test_the_sum_order_is_the_documented_one() -> None:
+    """Eight lanes over K in blocks of 8, fused multiply-adds, then ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7))."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1, 21, generator=gen), torch.randn(1, 21, generator=gen)
+    xs, ws = x[0].double().tolist() + [0.0] * 3, w[0].double().tolist() + [0.0] * 3
+    lanes = [0.0] * 8
+    for k in range(0, 24, 8):
+        for j in range(8):  # fma: the exact product plus the lane, rounded once to fp32
+            lanes[j] = float(torch.tensor(xs[k + j] * ws[k + j] + lanes[j], dtype=torch.float64).float())
+    f = [torch.tensor(v, dtype=torch.float32) for v in lanes]
+    want = ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]))
+    assert torch.equal(native.rowdot(x, w)[0, 0], want)
+
+
+def test_it_differs_from_the_fast_gemm_somewhere() -> None:
+    """Not MKL in disguise: over many rows some element differs from F.linear's bits."""
+    x, w = operands(64, 256, 576, torch.float32, torch.float32, 9)
+    assert not torch.equal(native.rowdot(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("xd,wd", DTYPES)
+def test_gradients_are_the_plain_gemms(xd, wd) -> None:
+    x, w = operands(13, 24, 40, xd, wd, 11)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = native.linear(x, w)
+    assert y.dtype == xd and torch.equal(y.detach(), native.rowdot(x.detach(), w.detach()).to(xd))
+    g = torch.randn(13, 24).to(xd)
+    y.backward(g)
+    assert torch.equal(x.grad, g.mm(w.detach().to(xd)).to(xd))
+    assert torch.equal(w.grad, g.t().mm(x.detach()).to(wd))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: native.rowdot(torch.randn(3), torch.randn(2, 3)), "2-D x"),
+    (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 4)), "3 columns, weight has 4"),
+    (lambda: native.rowdot(torch.randn(2, 3).half(), torch.randn(2, 3)), "fp32 and bf16 x"),
+    (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), "fp32 and bf16 weight"),
+])
+def test_bad_operands_are_clear_errors(bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+def test_empty_operands() -> None:
+    assert native.rowdot(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert torch.equal(native.rowdot(torch.randn(2, 0), torch.randn(5, 0)), torch.zeros(2, 5))
+
+
+def test_build_is_cached_per_source_and_compiler_and_a_missing_compiler_is_named(tmp_path) -> None:
+    env = dict(os.environ, ONPOLICY_HOME=str(tmp_path))
+    code = ("from onpolicy.kernels import native; p = native.build(); "
+            "print(p); print(p.stat().st_mtime_ns)")
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert first.stdout == again.stdout  # the second process reused the first one's library
+    lib = tmp_path / "native"
+    assert [p.name for p in lib.iterdir()] == [first.stdout.split()[0].rsplit("/", 1)[1]]  # no temporaries left
+    missing = subprocess.run([sys.executable, "-c", code], env=dict(env, CC="no-such-cc"),
+                             capture_output=True, text=True)
+    assert missing.returncode != 0
+    assert "NativeBuildError" in missing.stderr and "'no-such-cc' was not found" in missing.stderr
