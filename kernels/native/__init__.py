@@ -1,6 +1,7 @@
 """Native CPU kernels of the consistent operator set: ``rowdot``, the linear whose order of additions
 is fixed by the algorithm (``rowdot.c`` states it), so its bits do not depend on the row count,
-the columns a call computes, the micro-tile or the thread count.
+the columns a call computes, the micro-tile or the thread count; and its chunked form, the
+canonical row-parallel reduction in one call (``chunked_linear``).
 
 The C source is compiled on first use with the system C compiler (``$CC``, default ``cc``) into
 ``$ONPOLICY_HOME/native/`` under a name that hashes the source, the flags and the compiler's
@@ -88,6 +89,9 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     lib.rowdot.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
     lib.rowdot.restype = None
+    lib.rowdot_chunked.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT,
+                                   _I64, _I64, _INT, _INT]
+    lib.rowdot_chunked.restype = None
     lib.rowdot_vector_path.argtypes = []
     lib.rowdot_vector_path.restype = _INT
     return lib
@@ -98,14 +102,17 @@ def vector_path() -> bool:
     return bool(library().rowdot_vector_path())
 
 
-def _operand(t: Tensor, name: str) -> Tensor:
-    if t.dim() != 2:
-        raise ValueError(f"rowdot expects 2-D {name}, got shape {tuple(t.shape)}")
+def _operand(t: Tensor, name: str, dims: int = 2) -> Tensor:
+    if t.dim() != dims:
+        raise ValueError(f"rowdot expects {dims}-D {name}, got shape {tuple(t.shape)}")
+    if t.dtype == torch.float16:
+        t = t.float()  # exact; rowdot reads fp32 and bf16
     if t.dtype not in _OPERAND_DTYPES:
-        raise ValueError(f"rowdot supports fp32 and bf16 {name}, got {t.dtype}")
+        raise ValueError(f"rowdot supports fp32, bf16 and fp16 {name}, got {t.dtype}")
     if t.device.type != "cpu":
         raise ValueError(f"rowdot runs on CPU tensors, {name} is on {t.device}")
-    return t if t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+    rows_ok = t.stride(-2) >= t.shape[-1] and (dims == 2 or t.stride(0) >= t.shape[1] * t.stride(1))
+    return t if t.stride(-1) == 1 and rows_ok else t.contiguous()
 
 
 def rowdot(x: Tensor, weight: Tensor, *, portable: bool = False, threads: int | None = None) -> Tensor:
@@ -123,6 +130,59 @@ def rowdot(x: Tensor, weight: Tensor, *, portable: bool = False, threads: int | 
                          weight.data_ptr(), int(weight.dtype == torch.bfloat16), weight.stride(0),
                          y.data_ptr(), n, m, n, k, threads or torch.get_num_threads(), int(portable))
     return y
+
+
+def rowdot_chunks(x: Tensor, chunks: Tensor, *, fold: bool, round_bf16: bool = False, portable: bool = False,
+                  threads: int | None = None) -> Tensor:
+    """The canonical row-parallel reduction for ``x [M, C*Kc]`` and ``chunks [C, N, Kc]``: chunk ``c``'s
+    partial is ``rowdot(x[:, c*Kc:(c+1)*Kc], chunks[c])`` (rounded to bf16 when ``round_bf16``, as the
+    cast of a bf16 partial would); returns the partials ``[C, M, N]`` or, with ``fold``, their fp32
+    sum left to right in chunk order ``[M, N]`` — the bits of the per-chunk calls and ``fold_chunks``."""
+    x, chunks = _operand(x, "x"), _operand(chunks, "chunks", dims=3)
+    c, n, kc = chunks.shape
+    m = x.shape[0]
+    if x.shape[1] != c * kc:
+        raise ValueError(f"rowdot: x has {x.shape[1]} columns, {c} chunks of {kc} need {c * kc}")
+    y = torch.empty((m, n) if fold else (c, m, n), dtype=torch.float32)
+    if m and n and c:
+        library().rowdot_chunked(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0),
+                                 chunks.data_ptr(), int(chunks.dtype == torch.bfloat16), chunks.stride(1),
+                                 chunks.stride(0), c, kc, y.data_ptr(), n, 0 if fold else m * n, int(round_bf16),
+                                 m, n, threads or torch.get_num_threads(), int(portable))
+    return y
+
+
+class _RowdotChunks(torch.autograd.Function):
+    """Forward: ``rowdot_chunks``. Backward: per chunk, the GEMMs of ``F.linear``'s backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, chunks: Tensor, fold: bool) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, chunks)
+        ctx.fold = fold
+        return rowdot_chunks(x, chunks, fold=fold, round_bf16=x.dtype == torch.bfloat16).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        x, chunks = ctx.saved_tensors
+        kc = chunks.shape[2]
+        grads = [grad] * chunks.shape[0] if ctx.fold else list(grad)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.cat([g.mm(w.to(g.dtype)) for g, w in zip(grads, chunks, strict=True)], 1).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = torch.stack([g.t().mm(x[:, i * kc:(i + 1) * kc].to(g.dtype)) for i, g in enumerate(grads)])
+            gw = gw.to(chunks.dtype)
+        return gx, gw, None
+
+
+def chunked_linear(x: Tensor, chunks: Tensor, *, fold: bool) -> Tensor:
+    """:func:`rowdot_chunks` in ``x``'s dtype (bf16 partials rounded before the fold), differentiable
+    when autograd is on."""
+    if x.dtype not in _OPERAND_DTYPES:
+        raise ValueError(f"chunked_linear supports fp32 and bf16 activations, got {x.dtype}")
+    if torch.is_grad_enabled() and (x.requires_grad or chunks.requires_grad):
+        return _RowdotChunks.apply(x, chunks, fold)
+    return rowdot_chunks(x, chunks, fold=fold, round_bf16=x.dtype == torch.bfloat16).to(x.dtype)
 
 
 class _RowdotLinear(torch.autograd.Function):

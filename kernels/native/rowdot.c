@@ -10,7 +10,12 @@
  * IEEE operations (fmaf is the same correctly rounded fused multiply-add), so they give the same
  * bits; this file must be compiled without -ffast-math and with -ffp-contract=off.
  *
- * x and w may each be fp32 or bf16 (bf16 -> fp32 is exact); y is fp32. Row strides in elements. */
+ * Chunked form (the canonical row-parallel reduction): K is `chunks` chunks of `K` elements each;
+ * chunk c's partial is the dot product above over that chunk alone, optionally rounded to bf16
+ * (round to nearest even, as torch's fp32 -> bf16 cast), and the partials are either written out
+ * one by one or folded left to right in fp32 (((p0 + p1) + p2) + ...). One chunk is plain rowdot.
+ *
+ * x and w may each be fp32 or bf16 (bf16 -> fp32 is exact); y is fp32. Strides in elements. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -21,10 +26,19 @@
 #endif
 
 #define LANES 8
-#define MR 4 /* rows of x per micro-tile */
-#define NR 3 /* rows of w per micro-tile */
+#define MR 4      /* rows of x per micro-tile */
+#define NR 3      /* rows of w per micro-tile */
 #define NBLOCK 96 /* rows of w per parallel task (a multiple of NR and of 4) */
 #define MBLOCK 64 /* rows of x per parallel task (a multiple of MR) */
+
+typedef struct {
+    size_t xrow, wrow;     /* bytes between rows of x / of w */
+    size_t xchunk, wchunk; /* bytes between chunks of x (K elements on) / of w */
+    int64_t K;             /* elements per chunk */
+    int chunks;
+    int round_bf16;        /* round each partial to bf16 */
+    int64_t ldy, ychunk;   /* y: elements between rows; between partials (0: fold them) */
+} geom;
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -33,8 +47,19 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* lanes of one 8-wide block starting at p (n <= 8 valid, rest zero) */
-static inline void block_f32(const void *p, int is_bf16, int64_t k, int n, float out[LANES]) {
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (isnan(f))
+        u = 0x7fc00000u;
+    else
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* lanes of one 8-wide block starting at element k of p (n <= 8 valid, rest zero) */
+static inline void block_f32(const char *p, int is_bf16, int64_t k, int n, float out[LANES]) {
     for (int j = 0; j < LANES; j++) out[j] = 0.0f;
     if (is_bf16) {
         const uint16_t *q = (const uint16_t *)p + k;
@@ -49,23 +74,35 @@ static inline float lane_sum(const float a[LANES]) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
+/* a finished partial of chunk c: rounded if asked, then stored or folded into *total */
+static inline void emit(const geom *g, float p, int c, float *total, float *out) {
+    if (g->round_bf16) p = round_bf16(p);
+    if (g->ychunk) {
+        out[c * g->ychunk] = p;
+        return;
+    }
+    *total = c ? *total + p : p;
+    if (c == g->chunks - 1) *out = *total;
+}
+
 /* Portable path: one element at a time, the same operations as the vector path. */
-static void dot_portable(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw,
-                         float *y, int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K) {
+static void dot_portable(const char *x, int xb, const char *w, int wb, float *y, const geom *g,
+                         int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     float xa[LANES], wa[LANES], acc[LANES];
-    size_t xs = xb ? 2 : 4, ws = wb ? 2 : 4;
     for (int64_t m = m0; m < m1; m++) {
-        const char *xr = (const char *)x + (size_t)(m * ldx) * xs;
         for (int64_t n = n0; n < n1; n++) {
-            const char *wr = (const char *)w + (size_t)(n * ldw) * ws;
-            for (int j = 0; j < LANES; j++) acc[j] = 0.0f;
-            for (int64_t k = 0; k < K; k += LANES) {
-                int len = (K - k) < LANES ? (int)(K - k) : LANES;
-                block_f32(xr, xb, k, len, xa);
-                block_f32(wr, wb, k, len, wa);
-                for (int j = 0; j < LANES; j++) acc[j] = fmaf(xa[j], wa[j], acc[j]);
+            float total = 0.0f;
+            for (int c = 0; c < g->chunks; c++) {
+                const char *xr = x + m * g->xrow + c * g->xchunk, *wr = w + n * g->wrow + c * g->wchunk;
+                for (int j = 0; j < LANES; j++) acc[j] = 0.0f;
+                for (int64_t k = 0; k < g->K; k += LANES) {
+                    int len = (g->K - k) < LANES ? (int)(g->K - k) : LANES;
+                    block_f32(xr, xb, k, len, xa);
+                    block_f32(wr, wb, k, len, wa);
+                    for (int j = 0; j < LANES; j++) acc[j] = fmaf(xa[j], wa[j], acc[j]);
+                }
+                emit(g, lane_sum(acc), c, &total, y + m * g->ldy + n);
             }
-            y[m * ldy + n] = lane_sum(acc);
         }
     }
 }
@@ -75,7 +112,7 @@ static void dot_portable(const void *x, int xb, int64_t ldx, const void *w, int 
 /* inlined into each dtype specialisation of dot_avx2, so the operand dtypes are constants there */
 #define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
 
-AVX2_INLINE static __m256 load8(const void *p, int is_bf16, int64_t k) {
+AVX2_INLINE static __m256 load8(const char *p, int is_bf16, int64_t k) {
     if (is_bf16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -83,91 +120,105 @@ AVX2_INLINE static __m256 load8(const void *p, int is_bf16, int64_t k) {
     return _mm256_loadu_ps((const float *)p + k);
 }
 
-AVX2_INLINE static __m256 load_tail(const void *p, int is_bf16, int64_t k, int n) {
+AVX2_INLINE static __m256 load_tail(const char *p, int is_bf16, int64_t k, int n) {
     float t[LANES];
     block_f32(p, is_bf16, k, n, t);
     return _mm256_loadu_ps(t);
 }
 
-AVX2 static inline float hsum(__m256 a) {
+AVX2_INLINE static float hsum(__m256 a) {
     __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* a0+a4 .. a3+a7 */
     __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                                 /* t0+t2, t1+t3 */
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));                  /* u0 + u1 */
 }
 
-/* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 4), fully unrolled by the compiler
+/* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 4): NAME##_chunk computes the
+ * partials of one chunk, NAME all chunks (one chunk stored directly); fully unrolled by the compiler
  * for the constant shapes below. */
 #define TILE(NAME, R, C)                                                                           \
-    AVX2_INLINE static void NAME(const char *x, int xb, size_t xrow, const char *w, int wb, size_t wrow,  \
-                          float *y, int64_t ldy, int64_t K) {                                      \
+    AVX2_INLINE static void NAME##_chunk(const char *x, int xb, const char *w, int wb, const geom *g, \
+                                         float p[R][C]) {                                          \
+        int64_t K = g->K, kfull = K - K % LANES;                                                   \
         __m256 acc[R][C];                                                                          \
         for (int r = 0; r < R; r++)                                                                \
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                           \
-        int64_t kfull = K - K % LANES;                                                             \
         for (int64_t k = 0; k < kfull; k += LANES) {                                               \
             __m256 wv[C];                                                                          \
-            for (int c = 0; c < C; c++) wv[c] = load8(w + c * wrow, wb, k);                        \
+            for (int c = 0; c < C; c++) wv[c] = load8(w + c * g->wrow, wb, k);                     \
             for (int r = 0; r < R; r++) {                                                          \
-                __m256 xv = load8(x + r * xrow, xb, k);                                            \
+                __m256 xv = load8(x + r * g->xrow, xb, k);                                         \
                 for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);    \
             }                                                                                      \
         }                                                                                          \
         if (kfull < K) {                                                                           \
             int n = (int)(K - kfull);                                                              \
             __m256 wv[C];                                                                          \
-            for (int c = 0; c < C; c++) wv[c] = load_tail(w + c * wrow, wb, kfull, n);            \
+            for (int c = 0; c < C; c++) wv[c] = load_tail(w + c * g->wrow, wb, kfull, n);         \
             for (int r = 0; r < R; r++) {                                                          \
-                __m256 xv = load_tail(x + r * xrow, xb, kfull, n);                                 \
+                __m256 xv = load_tail(x + r * g->xrow, xb, kfull, n);                              \
                 for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);    \
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \
-            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                          \
+            for (int c = 0; c < C; c++) p[r][c] = hsum(acc[r][c]);                                 \
+    }                                                                                              \
+    AVX2_INLINE static void NAME(const char *x, int xb, const char *w, int wb, float *y,           \
+                                 const geom *g) {                                                  \
+        float p[R][C];                                                                             \
+        if (g->chunks == 1 && !g->round_bf16 && !g->ychunk) {                                      \
+            NAME##_chunk(x, xb, w, wb, g, p);                                                      \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int c = 0; c < C; c++) y[r * g->ldy + c] = p[r][c];                           \
+            return;                                                                                \
+        }                                                                                          \
+        float total[R][C] = {{0}};                                                                 \
+        for (int ch = 0; ch < g->chunks; ch++) {                                                   \
+            NAME##_chunk(x + ch * g->xchunk, xb, w + ch * g->wchunk, wb, g, p);                    \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int c = 0; c < C; c++) emit(g, p[r][c], ch, &total[r][c], y + r * g->ldy + c); \
+        }                                                                                          \
     }
 
 TILE(tile_4x3, 4, 3)
 TILE(tile_1x4, 1, 4)
 TILE(tile_1x1, 1, 1)
 
-AVX2_INLINE static void dot_avx2_impl(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw,
-                                      float *y, int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                                      int64_t K) {
-    size_t xrow = (size_t)ldx * (xb ? 2 : 4), wrow = (size_t)ldw * (wb ? 2 : 4);
-    const char *xc = (const char *)x, *wc = (const char *)w;
-    int64_t mfull = m0 + (m1 - m0) - (m1 - m0) % MR;
+AVX2_INLINE static void dot_avx2_impl(const char *x, int xb, const char *w, int wb, float *y, const geom *g,
+                                      int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    int64_t mfull = m1 - (m1 - m0) % MR;
     for (int64_t m = m0; m < mfull; m += MR) {
         int64_t n = n0;
         for (; n + NR <= n1; n += NR)
-            tile_4x3(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+            tile_4x3(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
         for (; n < n1; n++)
             for (int r = 0; r < MR; r++)
-                tile_1x1(xc + (m + r) * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + (m + r) * ldy + n, ldy, K);
+                tile_1x1(x + (m + r) * g->xrow, xb, w + n * g->wrow, wb, y + (m + r) * g->ldy + n, g);
     }
     for (int64_t m = mfull; m < m1; m++) {
         int64_t n = n0;
         for (; n + 4 <= n1; n += 4)
-            tile_1x4(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+            tile_1x4(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
         for (; n < n1; n++)
-            tile_1x1(xc + m * xrow, xb, xrow, wc + n * wrow, wb, wrow, y + m * ldy + n, ldy, K);
+            tile_1x1(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
     }
 }
+
 #define DOT_AVX2(XB, WB)                                                                           \
-    AVX2 static void dot_avx2_##XB##WB(const void *x, int64_t ldx, const void *w, int64_t ldw, float *y, \
-                                       int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1,       \
-                                       int64_t K) {                                                     \
-        dot_avx2_impl(x, XB, ldx, w, WB, ldw, y, ldy, m0, m1, n0, n1, K);                               \
+    AVX2 static void dot_avx2_##XB##WB(const char *x, const char *w, float *y, const geom *g,        \
+                                       int64_t m0, int64_t m1, int64_t n0, int64_t n1) {            \
+        dot_avx2_impl(x, XB, w, WB, y, g, m0, m1, n0, n1);                                         \
     }
 DOT_AVX2(0, 0)
 DOT_AVX2(0, 1)
 DOT_AVX2(1, 0)
 DOT_AVX2(1, 1)
 
-static void dot_avx2(const void *x, int xb, int64_t ldx, const void *w, int wb, int64_t ldw, float *y,
-                     int64_t ldy, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K) {
+static void dot_avx2(const char *x, int xb, const char *w, int wb, float *y, const geom *g,
+                     int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
     if (xb)
-        (wb ? dot_avx2_11 : dot_avx2_10)(x, ldx, w, ldw, y, ldy, m0, m1, n0, n1, K);
+        (wb ? dot_avx2_11 : dot_avx2_10)(x, w, y, g, m0, m1, n0, n1);
     else
-        (wb ? dot_avx2_01 : dot_avx2_00)(x, ldx, w, ldw, y, ldy, m0, m1, n0, n1, K);
+        (wb ? dot_avx2_01 : dot_avx2_00)(x, w, y, g, m0, m1, n0, n1);
 }
 #endif
 
@@ -181,11 +232,16 @@ int rowdot_vector_path(void) {
 #endif
 }
 
-/* y[M, N] (fp32, row stride ldy) = x[M, K] (row stride ldx) . w[N, K]^T (row stride ldw).
- * x_bf16 / w_bf16: 1 when that operand is bf16. threads: OpenMP threads to use (>= 1).
- * force_portable: 1 to run the portable path (tests compare both paths' bits). */
-void rowdot(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
-            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int force_portable) {
+/* x [M, chunks*K] (row stride ldx; chunk c starts K*c elements into a row), w: chunk c, row n at
+ * element c*wchunk + n*ldw. y: folded [M, N] (ychunk 0) or partials, partial c of element (m, n)
+ * at c*ychunk + m*ldy + n. x_bf16 / w_bf16: 1 when that operand is bf16. threads: OpenMP threads
+ * (>= 1). force_portable: 1 to run the portable path (tests compare both paths' bits). */
+void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
+                    int64_t wchunk, int chunks, int64_t K, float *y, int64_t ldy, int64_t ychunk,
+                    int round_partials_bf16, int64_t M, int64_t N, int threads, int force_portable) {
+    size_t xs = x_bf16 ? 2 : 4, ws = w_bf16 ? 2 : 4;
+    geom g = {(size_t)ldx * xs, (size_t)ldw * ws, (size_t)K * xs, (size_t)wchunk * ws, K,
+              chunks, round_partials_bf16, ldy, ychunk};
     int vector = !force_portable && rowdot_vector_path();
     int64_t ntasks = (N + NBLOCK - 1) / NBLOCK, mtasks = (M + MBLOCK - 1) / MBLOCK;
     int64_t tasks = ntasks * mtasks;
@@ -198,10 +254,16 @@ void rowdot(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, i
         int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
 #ifdef ROWDOT_X86
         if (vector) {
-            dot_avx2(x, x_bf16, ldx, w, w_bf16, ldw, y, ldy, m0, m1, n0, n1, K);
+            dot_avx2((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
             continue;
         }
 #endif
-        dot_portable(x, x_bf16, ldx, w, w_bf16, ldw, y, ldy, m0, m1, n0, n1, K);
+        dot_portable((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
     }
+}
+
+/* y[M, N] (fp32, row stride ldy) = x[M, K] (row stride ldx) . w[N, K]^T (row stride ldw). */
+void rowdot(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
+            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int force_portable) {
+    rowdot_chunked(x, x_bf16, ldx, w, w_bf16, ldw, 0, 1, K, y, ldy, 0, 0, M, N, threads, force_portable);
 }

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..backend import Backend, MoERouting
+from ..backend import SINGLE, Backend, MoERouting, RowWeight, ShardGroup
 from ..kv import AttentionBatch, KVSource
 from . import elementwise, moe
 from .attention import attention
@@ -20,11 +20,18 @@ class ReferenceBackend(Backend):
             raise ValueError(f"linear expects 2-D input [N, K], got shape {tuple(x.shape)}")
         return native.linear(x, weight)
 
+    def row_linear(self, x: Tensor, weight: RowWeight, group: ShardGroup = SINGLE) -> Tensor:
+        """The canonical reduction of ``Backend.row_linear``; unsharded, partials and fold run inside
+        one ``rowdot`` call (the same bits: the kernel folds as ``fold_chunks`` does)."""
+        if group is SINGLE and x.dtype in (torch.float32, torch.bfloat16):
+            return native.chunked_linear(x, weight.chunked(self.config.reduce_chunks), fold=True)
+        return super().row_linear(x, weight, group)
+
     def chunk_partials(self, x: Tensor, chunks: Tensor) -> Tensor:
-        # each chunk of x read in place (rowdot takes a row stride); a partial's bits depend only on
-        # its own chunk, whatever the number of chunks
-        kc = chunks.shape[2]
-        return torch.stack([native.linear(x[:, i * kc:(i + 1) * kc], chunks[i]) for i in range(chunks.shape[0])])
+        # one call for all of the rank's chunks; a partial's bits depend only on its own chunk
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return native.chunked_linear(x, chunks, fold=False)
+        return super().chunk_partials(x, chunks)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return elementwise.rmsnorm(x, weight, eps)

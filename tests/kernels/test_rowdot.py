@@ -86,12 +86,80 @@ def test_gradients_are_the_plain_gemms(xd, wd) -> None:
 @pytest.mark.parametrize("bad,match", [
     (lambda: native.rowdot(torch.randn(3), torch.randn(2, 3)), "2-D x"),
     (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 4)), "3 columns, weight has 4"),
-    (lambda: native.rowdot(torch.randn(2, 3).half(), torch.randn(2, 3)), "fp32 and bf16 x"),
-    (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), "fp32 and bf16 weight"),
+    (lambda: native.rowdot(torch.ones(2, 3, dtype=torch.int32), torch.randn(2, 3)), "fp32, bf16 and fp16 x"),
+    (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), "fp32, bf16 and fp16 weight"),
+    (lambda: native.rowdot_chunks(torch.randn(2, 12), torch.randn(4, 5, 4), fold=True), "4 chunks of 4 need 16"),
 ])
 def test_bad_operands_are_clear_errors(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_fp16_operands_are_widened_exactly() -> None:
+    x, w = operands(5, 9, 33, torch.float16, torch.float16, 4)
+    assert torch.equal(native.rowdot(x, w), native.rowdot(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,kc,c", [(1, 7, 5, 4), (6, 33, 16, 2), (13, 20, 40, 4), (1, 96, 144, 1)])
+def test_chunked_form_is_the_per_chunk_calls_and_the_fold(dtype, m, n, kc, c) -> None:
+    from onpolicy.kernels.backend import chunk_major, fold_chunks
+
+    x, w = operands(m, n, c * kc, dtype, dtype, m + n + kc + c)
+    chunks = chunk_major(w, c)
+    per = torch.stack([native.linear(x[:, i * kc:(i + 1) * kc].contiguous(), chunks[i]) for i in range(c)])
+    parts = native.chunked_linear(x, chunks, fold=False)
+    assert parts.dtype == dtype and torch.equal(parts, per)
+    folded = native.chunked_linear(x, chunks, fold=True)
+    assert folded.dtype == dtype and torch.equal(folded, fold_chunks(per).to(dtype))
+    rb = dtype == torch.bfloat16
+    assert torch.equal(native.rowdot_chunks(x, chunks, fold=True, round_bf16=rb),
+                       native.rowdot_chunks(x, chunks, fold=True, round_bf16=rb, portable=True))
+    assert torch.equal(native.rowdot_chunks(x, chunks, fold=False, round_bf16=rb, threads=1),
+                       native.rowdot_chunks(x, chunks, fold=False, round_bf16=rb, threads=2))
+
+
+def test_bf16_partials_round_like_torch_including_halfway_cases() -> None:
+    """Partials exactly halfway between two bf16 values round to even, as ``Tensor.to(bfloat16)``."""
+    halfway = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.0, float("inf")])
+    x = torch.ones(len(halfway), 1)
+    w = halfway[:, None]  # y[i, j] = halfway[j]
+    parts = native.rowdot_chunks(x, w[None], fold=False, round_bf16=True)
+    assert torch.equal(parts[0], halfway.to(torch.bfloat16).float().expand(len(halfway), -1))
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_chunked_gradients_are_the_per_chunk_gemms(fold) -> None:
+    from onpolicy.kernels.backend import chunk_major
+
+    x, w = operands(9, 12, 32, torch.float32, torch.float32, 21)
+    chunks = chunk_major(w, 4).requires_grad_()
+    x.requires_grad_()
+    y = native.chunked_linear(x, chunks, fold=fold)
+    g = torch.randn(y.shape)
+    y.backward(g)
+    grads = [g] * 4 if fold else list(g)
+    assert torch.equal(x.grad, torch.cat([gi.mm(chunks[i].detach()) for i, gi in enumerate(grads)], 1))
+    assert torch.equal(chunks.grad, torch.stack([gi.t().mm(x.detach()[:, i * 8:(i + 1) * 8])
+                                                 for i, gi in enumerate(grads)]))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_reference_row_linear_in_one_call_equals_the_generic_reduction(dtype) -> None:
+    from onpolicy.kernels import KernelConfig, get_backend
+    from onpolicy.kernels.backend import Backend, chunk_major
+
+    class Chunked:
+        def __init__(self, w: torch.Tensor) -> None:
+            self.weight = w
+
+        def chunked(self, chunks: int) -> torch.Tensor:
+            return chunk_major(self.weight, chunks)
+
+    ops = get_backend(KernelConfig(compute_dtype=dtype))
+    x, w = operands(11, 64, 128, ops.config.dtype, ops.config.dtype, 8)
+    generic = Backend.row_linear(ops, x, Chunked(w))  # per-rank partials, gather, fold_chunks
+    assert torch.equal(ops.row_linear(x, Chunked(w)), generic)
 
 
 def test_empty_operands() -> None:
