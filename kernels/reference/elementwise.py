@@ -18,12 +18,45 @@ def _no_grad(*ts: Tensor) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in ts)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rmsnorm_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
+    y = (xf * variance.add_(eps).rsqrt_()).to(x.dtype)
+    return y.mul_(weight) if y.dtype == weight.dtype else weight * y  # IEEE multiply commutes
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Forward: the in-place no-grad steps (the bits of the recorded ops, with a third of the
+    temporaries); backward: the analytic gradient in fp32 (gradients carry no bitwise contract)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rmsnorm_forward(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        n = xf * r
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (grad.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gn = grad.float() * weight.float()
+            gx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _no_grad(x, weight):
-        y = (xf * variance.add_(eps).rsqrt_()).to(x.dtype)
-        return y.mul_(weight) if y.dtype == weight.dtype else weight * y  # IEEE multiply commutes
+        return _rmsnorm_forward(x, weight, eps)
+    if x.dtype == weight.dtype:
+        return _RMSNorm.apply(x, weight, eps)
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
@@ -47,7 +80,25 @@ def silu(x: Tensor) -> Tensor:
     return xf / (torch.exp(-xf) + 1.0)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """Forward: the in-place no-grad steps (same bits); backward: the analytic gradient in fp32."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return silu(gate).mul_(up.float()).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        gf, g = gate.float(), grad.float()
+        sig = torch.sigmoid(gf)
+        g_gate = (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype) if ctx.needs_input_grad[0] else None
+        g_up = (g * gf * sig).to(up.dtype) if ctx.needs_input_grad[1] else None
+        return g_gate, g_up
+
+
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if _no_grad(gate, up):
         return silu(gate).mul_(up.float()).to(gate.dtype)
-    return (silu(gate) * up.float()).to(gate.dtype)
+    return _SwiGLU.apply(gate, up)
