@@ -141,7 +141,8 @@ class AscendBackend(Backend):
     # -- operators -------------------------------------------------------------------------------
 
     def _matmul(self, x: Tensor, w: Tensor) -> Tensor:
-        """Rows padded to the row tile, then the batch-invariant kernel (as the reference does)."""
+        """Rows padded to the row tile, then the batch-invariant kernel (its M tiling is fixed; the
+        padding keeps every call in one shape class)."""
         n = x.shape[0]
         xp = pad_rows(x, self.config.row_tile)
         if self.provider is Provider.VENDOR:
