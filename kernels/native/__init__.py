@@ -77,6 +77,7 @@ def build() -> Path:
         if out.returncode != 0:
             tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
             raise NativeBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}): " + " | ".join(tail))
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: let every user of a shared $ONPOLICY_HOME load it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

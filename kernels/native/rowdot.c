@@ -12,7 +12,8 @@
  *
  * Chunked form (the canonical row-parallel reduction): K is `chunks` chunks of `K` elements each;
  * chunk c's partial is the dot product above over that chunk alone, optionally rounded to bf16
- * (round to nearest even, as torch's fp32 -> bf16 cast), and the partials are either written out
+ * (round to nearest even, as torch's fp32 -> bf16 cast for every finite and infinite value; a NaN
+ * stays a NaN, its payload bits may differ from torch's), and the partials are either written out
  * one by one or folded left to right in fp32 (((p0 + p1) + p2) + ...). One chunk is plain rowdot.
  *
  * x and w may each be fp32 or bf16 (bf16 -> fp32 is exact); y is fp32. Strides in elements. */

@@ -176,6 +176,7 @@ def test_build_is_cached_per_source_and_compiler_and_a_missing_compiler_is_named
     assert first.stdout == again.stdout  # the second process reused the first one's library
     lib = tmp_path / "native"
     assert [p.name for p in lib.iterdir()] == [first.stdout.split()[0].rsplit("/", 1)[1]]  # no temporaries left
+    assert (next(lib.iterdir()).stat().st_mode & 0o777) == 0o755  # loadable by other users of the home
     missing = subprocess.run([sys.executable, "-c", code], env=dict(env, CC="no-such-cc"),
                              capture_output=True, text=True)
     assert missing.returncode != 0
