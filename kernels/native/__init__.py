@@ -52,14 +52,19 @@ def _compiler_version(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else path
 
 
-def library_path() -> Path:
-    """Where the library for this source, these flags and this compiler lives."""
-    cc = compiler()
+@functools.cache
+def _build_digest(cc: str) -> str:
+    """Hash of the source, the flags and the compiler's version (one ``cc --version`` per process)."""
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version(cc).encode()):
         digest.update(part)
         digest.update(b"\0")
-    return onpolicy_home() / "native" / f"rowdot-{digest.hexdigest()[:16]}.so"
+    return digest.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the library for this source, these flags and this compiler lives."""
+    return onpolicy_home() / "native" / f"rowdot-{_build_digest(compiler())}.so"
 
 
 def build() -> Path:
@@ -88,8 +93,6 @@ def build() -> Path:
 @functools.cache
 def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
-    lib.rowdot.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
-    lib.rowdot.restype = None
     lib.rowdot_chunked.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT,
                                    _I64, _I64, _INT, _INT]
     lib.rowdot_chunked.restype = None
@@ -117,20 +120,14 @@ def _operand(t: Tensor, name: str, dims: int = 2) -> Tensor:
 
 
 def rowdot(x: Tensor, weight: Tensor, *, portable: bool = False, threads: int | None = None) -> Tensor:
-    """``x [M, K] @ weight [N, K].T`` in fp32 (``[M, N]``), with rowdot's fixed order of additions.
-    ``x`` and ``weight`` may each be fp32 or bf16 and any row stride (a column slice of a wider
-    tensor is read in place). ``portable`` runs the portable path; ``threads`` defaults to torch's."""
+    """``x [M, K] @ weight [N, K].T`` in fp32 (``[M, N]``), with rowdot's fixed order of additions:
+    :func:`rowdot_chunks` with one chunk. ``x`` and ``weight`` may each be fp32, bf16 or fp16 and any
+    row stride (a column slice of a wider tensor is read in place). ``portable`` runs the portable
+    path; ``threads`` defaults to torch's."""
     x, weight = _operand(x, "x"), _operand(weight, "weight")
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"rowdot: x has {x.shape[1]} columns, weight has {weight.shape[1]}")
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m and n:
-        library().rowdot(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0),
-                         weight.data_ptr(), int(weight.dtype == torch.bfloat16), weight.stride(0),
-                         y.data_ptr(), n, m, n, k, threads or torch.get_num_threads(), int(portable))
-    return y
+    return rowdot_chunks(x, weight[None], fold=True, portable=portable, threads=threads)
 
 
 def rowdot_chunks(x: Tensor, chunks: Tensor, *, fold: bool, round_bf16: bool = False, portable: bool = False,
@@ -153,17 +150,18 @@ def rowdot_chunks(x: Tensor, chunks: Tensor, *, fold: bool, round_bf16: bool = F
     return y
 
 
-class _RowdotChunks(torch.autograd.Function):
-    """Forward: ``rowdot_chunks``. Backward: per chunk, the GEMMs of ``F.linear``'s backward."""
+class _Rowdot(torch.autograd.Function):
+    """Forward: ``rowdot_chunks`` in ``x``'s dtype. Backward: per chunk, the GEMMs of ``F.linear``'s
+    backward (the gradient has no invariance contract; it is deterministic for a given shape)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, chunks: Tensor, fold: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, chunks: Tensor, fold: bool, round_bf16: bool) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, chunks)
         ctx.fold = fold
-        return rowdot_chunks(x, chunks, fold=fold, round_bf16=x.dtype == torch.bfloat16).to(x.dtype)
+        return rowdot_chunks(x, chunks, fold=fold, round_bf16=round_bf16).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         x, chunks = ctx.saved_tensors
         kc = chunks.shape[2]
         grads = [grad] * chunks.shape[0] if ctx.fold else list(grad)
@@ -173,7 +171,13 @@ class _RowdotChunks(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = torch.stack([g.t().mm(x[:, i * kc:(i + 1) * kc].to(g.dtype)) for i, g in enumerate(grads)])
             gw = gw.to(chunks.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
+
+
+def _apply(x: Tensor, chunks: Tensor, fold: bool, round_bf16: bool) -> Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or chunks.requires_grad):
+        return _Rowdot.apply(x, chunks, fold, round_bf16)
+    return rowdot_chunks(x, chunks, fold=fold, round_bf16=round_bf16).to(x.dtype)
 
 
 def chunked_linear(x: Tensor, chunks: Tensor, *, fold: bool) -> Tensor:
@@ -181,34 +185,12 @@ def chunked_linear(x: Tensor, chunks: Tensor, *, fold: bool) -> Tensor:
     when autograd is on."""
     if x.dtype not in _OPERAND_DTYPES:
         raise ValueError(f"chunked_linear supports fp32 and bf16 activations, got {x.dtype}")
-    if torch.is_grad_enabled() and (x.requires_grad or chunks.requires_grad):
-        return _RowdotChunks.apply(x, chunks, fold)
-    return rowdot_chunks(x, chunks, fold=fold, round_bf16=x.dtype == torch.bfloat16).to(x.dtype)
-
-
-class _RowdotLinear(torch.autograd.Function):
-    """Forward: rowdot. Backward: the GEMMs ``F.linear``'s backward runs (the gradient has no
-    invariance contract; it is deterministic for a given shape)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        return rowdot(x, weight).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = grad.mm(weight.to(grad.dtype)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = grad.t().mm(x.to(grad.dtype)).to(weight.dtype)
-        return gx, gw
+    return _apply(x, chunks, fold, x.dtype == torch.bfloat16)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight.T`` in ``x``'s dtype through rowdot (fp32 accumulation, one rounding at the end),
     differentiable when autograd is on."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RowdotLinear.apply(x, weight)
-    return rowdot(x, weight).to(x.dtype)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear expects x [N, K] and weight [Out, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return _apply(x, weight[None], True, False)

@@ -262,9 +262,3 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
         dot_portable((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
     }
 }
-
-/* y[M, N] (fp32, row stride ldy) = x[M, K] (row stride ldx) . w[N, K]^T (row stride ldw). */
-void rowdot(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
-            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads, int force_portable) {
-    rowdot_chunked(x, x_bf16, ldx, w, w_bf16, ldw, 0, 1, K, y, ldy, 0, 0, M, N, threads, force_portable);
-}

@@ -89,6 +89,8 @@ def test_gradients_are_the_plain_gemms(xd, wd) -> None:
     (lambda: native.rowdot(torch.ones(2, 3, dtype=torch.int32), torch.randn(2, 3)), "fp32, bf16 and fp16 x"),
     (lambda: native.rowdot(torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), "fp32, bf16 and fp16 weight"),
     (lambda: native.rowdot_chunks(torch.randn(2, 12), torch.randn(4, 5, 4), fold=True), "4 chunks of 4 need 16"),
+    (lambda: native.linear(torch.randn(3), torch.randn(2, 3)), "linear expects x"),
+    (lambda: native.linear(torch.randn(2, 3), torch.randn(2, 4)), "linear expects x"),
 ])
 def test_bad_operands_are_clear_errors(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
