@@ -87,6 +87,17 @@ def chunk_major(weight: Tensor, chunks: int) -> Tensor:
     return weight.view(weight.shape[0], chunks, weight.shape[1] // chunks).transpose(0, 1).contiguous()
 
 
+def divide_by_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """fp32 ``logits [N, V] / temperature[:, None]``. ``x / 1.0`` is ``x`` for every float (IEEE), so
+    when every temperature is exactly 1 the logits are returned as they are: the same bits without a
+    pass over ``[N, V]`` (and its backward)."""
+    if bool((temperature == 1).all()):
+        return logits
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return logits.div_(temperature[:, None])  # the caller's fresh logits; the same division
+    return logits / temperature[:, None]
+
+
 def fold_chunks(partials: Tensor) -> Tensor:
     """The canonical reduction: ``partials [C, ...]`` summed left to right in chunk order in fp32."""
     acc = partials[0].float()

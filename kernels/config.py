@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 #: Bumped whenever a kernel's arithmetic changes, so old fingerprints stop matching.
-CONTRACT_VERSION = 4
+CONTRACT_VERSION = 5
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,8 +36,9 @@ class KernelConfig:
     backend: str = "reference"
     """Operator backend: ``reference`` (torch, invariant), ``fast`` (fused, not invariant), ``ascend``."""
     row_tile: int = 8
-    """Rows of attention's GEMMs are padded to a multiple of this, so one GEMM shape class serves
-    every query count (linears need no padding: rowdot's order of additions is fixed by itself)."""
+    """Rows of the Ascend backend's attention GEMMs are padded to a multiple of this, so one GEMM
+    shape class serves every query count. The CPU reference needs no padding: its linears (rowdot)
+    and its attention (``kernels/native/attention.c``) fix their order of additions themselves."""
     kv_tile: int = 64
     """Attention reduces over keys in blocks of this many positions, from position 0 ascending."""
     reduce_chunks: int = 4

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import Backend, MoERouting
+from .backend import Backend, MoERouting, divide_by_temperature
 from .kv import AttentionBatch, KVSource
 from .reference.attention import group_queries, ungroup
 from .reference.elementwise import rmsnorm, rope
@@ -54,4 +54,4 @@ class FastBackend(Backend):
 
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         logits = F.linear(hidden, lm_head.to(hidden.dtype)).float()
-        return torch.log_softmax(logits / temperature[:, None], dim=-1)
+        return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)

@@ -351,6 +351,40 @@ def _native_paths_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult
     return ProbeResult("linear/rowdot-paths", not fails, checked, "; ".join(fails[:4]) or path)
 
 
+def _native_rows_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
+    """The other native kernels, likewise: attention (paged-style index, GQA, a partial last tile and
+    a zero-padded lane block), RMSNorm and SwiGLU give the same bits on the vector and portable paths
+    and on one thread or several; so does exp_ itself."""
+    from .native import attention as na
+    from .native import rowwise
+
+    fails, checked = [], 0
+
+    def same(name: str, run: Callable[..., Tensor]) -> None:
+        nonlocal checked
+        got = run()
+        for kw in ({"portable": True}, {"threads": 1}):
+            checked += 1
+            if not torch.equal(got, run(**kw)):
+                fails.append(f"{name}: {next(iter(kw))}")
+
+    n, hq, hkv, d, length = 40, 6, 2, 40, 40
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(length * hkv, d, generator=gen).to(dtype) for _ in range(2))
+    idx = (torch.arange(length)[None, None, :] * hkv + torch.arange(hkv)[None, :, None]).contiguous()
+    seq, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)
+    same("attention", lambda **kw: na.attention_rows(q, k, v, idx, seq, pos, 0.2, 16, **kw))
+    x, w = torch.randn(9, 67, generator=gen).to(dtype), torch.randn(67, generator=gen).to(dtype)
+    same("rmsnorm", lambda **kw: rowwise.rmsnorm(x, w, 1e-6, **kw))
+    gate, up = (torch.randn(9, 203, generator=gen).to(dtype) * 4 for _ in range(2))
+    same("swiglu", lambda **kw: rowwise.swiglu(gate, up, **kw))
+    e = torch.linspace(-90.0, 0.0, 1003)
+    checked += 1
+    if not torch.equal(na.exp(e), na.exp(e, portable=True)):
+        fails.append("exp_: vector vs portable")
+    return ProbeResult("native/attention-rowwise-paths", not fails, checked, "; ".join(fails[:4]))
+
+
 def _sampling_probe(s: ProbeShapes, gen: torch.Generator) -> ProbeResult:
     b = 9
     lp = torch.log_softmax(torch.randn(b, s.vocab, generator=gen) * 3, -1)
@@ -386,6 +420,7 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
     add(_elementwise_paths())
     if config.backend == "reference":
         add(_native_paths_probe(dt, gen))
+        add(_native_rows_probe(dt, gen))
     rows = 64
     linears = {"qkv": (s.hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim),
                "o_proj": (s.num_heads * s.head_dim, s.hidden), "up": (s.hidden, s.intermediate),

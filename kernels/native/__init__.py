@@ -1,11 +1,16 @@
-"""Native CPU kernels of the consistent operator set: ``rowdot``, the linear whose order of additions
-is fixed by the algorithm (``rowdot.c`` states it), so its bits do not depend on the row count,
-the columns a call computes, the micro-tile or the thread count; and its chunked form, the
-canonical row-parallel reduction in one call (``chunked_linear``).
+"""Native CPU kernels of the consistent operator set, and their build.
 
-The C source is compiled on first use with the system C compiler (``$CC``, default ``cc``) into
-``$ONPOLICY_HOME/native/`` under a name that hashes the source, the flags and the compiler's
-version, and loaded with ctypes; ``onpolicy selftest`` and ``scripts/setup.sh`` build it ahead.
+- ``rowdot`` (``rowdot.c``): the linear whose order of additions is fixed by the algorithm, so its
+  bits do not depend on the row count, the columns a call computes, the micro-tile or the thread
+  count; and its chunked form, the canonical row-parallel reduction in one call (``chunked_linear``).
+- the attention tile routine (``attention.c``, wrapped by :mod:`.attention`): each query row reads
+  its own sequence's K/V rows through an index, so paged decode, prefill and training share it.
+- RMSNorm, RoPE and SwiGLU (``rowwise.c``, wrapped by :mod:`.rowwise`), one call each.
+- ``native.h``: what they share (bf16 conversions, the dot product's lanes and lane tree, ``exp_``).
+
+The C sources are compiled together on first use with the system C compiler (``$CC``, default
+``cc``) into ``$ONPOLICY_HOME/native/`` under a name that hashes the sources, the flags and the
+compiler's version, and loaded with ctypes; ``onpolicy selftest`` and ``scripts/setup.sh`` build it ahead.
 The build is atomic (compiled to a temporary name, then renamed), so processes that start together
 (Ray actors) never load a half-written library. Its OpenMP runtime is torch's own ``libgomp``
 (loaded first, same soname), so it shares torch's thread pool instead of competing with it.
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from onpolicy.home import onpolicy_home
 
-SOURCE = Path(__file__).with_name("rowdot.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("native.h", "rowdot.c", "attention.c", "rowwise.c"))
 #: No -ffast-math, no FP contraction: the source's operations are the arithmetic.
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -46,7 +51,7 @@ def _compiler_version(cc: str) -> str:
     path = shutil.which(cc)
     if path is None:
         raise NativeBuildError(
-            f"the consistent kernels need a C compiler to build {SOURCE.name}, and {cc!r} was not found "
+            f"the consistent kernels need a C compiler to build {SOURCES[1].parent}, and {cc!r} was not found "
             "(install gcc, e.g. `apt-get install gcc`, or point $CC at one)")
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
     return out.stdout.splitlines()[0] if out.stdout else path
@@ -54,34 +59,35 @@ def _compiler_version(cc: str) -> str:
 
 @functools.cache
 def _build_digest(cc: str) -> str:
-    """Hash of the source, the flags and the compiler's version (one ``cc --version`` per process)."""
+    """Hash of the sources, the flags and the compiler's version (one ``cc --version`` per process)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version(cc).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(CFLAGS).encode(), _compiler_version(cc).encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
 def library_path() -> Path:
-    """Where the library for this source, these flags and this compiler lives."""
-    return onpolicy_home() / "native" / f"rowdot-{_build_digest(compiler())}.so"
+    """Where the library for these sources, these flags and this compiler lives."""
+    return onpolicy_home() / "native" / f"onpolicy-native-{_build_digest(compiler())}.so"
 
 
 def build() -> Path:
-    """Compile ``rowdot.c`` unless this exact build exists; returns the library's path."""
+    """Compile the C sources unless this exact build exists; returns the library's path."""
     target = library_path()
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     torch_lib = Path(torch.__file__).parent / "lib"  # link torch's libgomp (the runtime it loaded)
-    fd, tmp = tempfile.mkstemp(prefix=".rowdot-", suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".onpolicy-native-", suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler(), *CFLAGS, str(SOURCE), "-o", tmp, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
+    sources = [str(s) for s in SOURCES if s.suffix == ".c"]
+    cmd = [compiler(), *CFLAGS, *sources, "-o", tmp, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lm"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
-            raise NativeBuildError(f"building {SOURCE.name} failed ({' '.join(cmd)}): " + " | ".join(tail))
+            raise NativeBuildError(f"building the native kernels failed ({' '.join(cmd)}): " + " | ".join(tail))
         os.chmod(tmp, 0o755)  # mkstemp made it 0600: let every user of a shared $ONPOLICY_HOME load it
         os.replace(tmp, target)
     finally:
@@ -98,6 +104,17 @@ def library() -> ctypes.CDLL:
     lib.rowdot_chunked.restype = None
     lib.rowdot_vector_path.argtypes = []
     lib.rowdot_vector_path.restype = _INT
+    lib.attention_rows.argtypes = [_PTR, _INT, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _PTR, _PTR, _I64,
+                                   _INT, _INT, _INT, _INT, ctypes.c_float, _PTR, _INT, _INT]
+    lib.attention_rows.restype = _INT
+    lib.native_exp.argtypes = [_PTR, _PTR, _I64, _INT]
+    lib.native_exp.restype = None
+    _F = ctypes.c_float
+    lib.rmsnorm_rows.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _PTR, _INT, _I64, _I64, _F, _INT, _INT]
+    lib.rope_rows.argtypes = [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+    lib.swiglu_rows.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _INT, _INT]
+    for fn in (lib.rmsnorm_rows, lib.rope_rows, lib.swiglu_rows):
+        fn.restype = None
     return lib
 
 
@@ -106,7 +123,14 @@ def vector_path() -> bool:
     return bool(library().rowdot_vector_path())
 
 
+def _operand_dtype_ok(t: Tensor) -> bool:
+    """Whether the kernels read ``t`` in place: fp32 or bf16 on CPU."""
+    return t.dtype in _OPERAND_DTYPES and t.device.type == "cpu"
+
+
 def _operand(t: Tensor, name: str, dims: int = 2) -> Tensor:
+    if t.is_contiguous() and t.dtype in _OPERAND_DTYPES and t.dim() == dims and t.device.type == "cpu":
+        return t  # the common case, checked first (this runs twice per linear of a decode step)
     if t.dim() != dims:
         raise ValueError(f"rowdot expects {dims}-D {name}, got shape {tuple(t.shape)}")
     if t.dtype == torch.float16:
@@ -151,8 +175,9 @@ def rowdot_chunks(x: Tensor, chunks: Tensor, *, fold: bool, round_bf16: bool = F
 
 
 class _Rowdot(torch.autograd.Function):
-    """Forward: ``rowdot_chunks`` in ``x``'s dtype. Backward: per chunk, the GEMMs of ``F.linear``'s
-    backward (the gradient has no invariance contract; it is deterministic for a given shape)."""
+    """Forward: ``rowdot_chunks`` in ``x``'s dtype. Backward: the GEMMs of ``F.linear``'s backward,
+    over the whole K when the partials are folded, per chunk otherwise (the gradient has no
+    invariance contract; it is deterministic for a given shape)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, chunks: Tensor, fold: bool, round_bf16: bool) -> Tensor:  # type: ignore[override]
@@ -163,9 +188,16 @@ class _Rowdot(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         x, chunks = ctx.saved_tensors
-        kc = chunks.shape[2]
-        grads = [grad] * chunks.shape[0] if ctx.fold else list(grad)
+        c, n, kc = chunks.shape
         gx = gw = None
+        if ctx.fold:  # every chunk sees the same gradient: one GEMM over the whole K for each operand
+            if ctx.needs_input_grad[0]:
+                w = chunks[0] if c == 1 else chunks.transpose(0, 1).reshape(n, c * kc)
+                gx = grad.mm(w.to(grad.dtype)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                gw = grad.t().mm(x.to(grad.dtype)).view(n, c, kc).transpose(0, 1).to(chunks.dtype)
+            return gx, gw, None, None
+        grads = list(grad)
         if ctx.needs_input_grad[0]:
             gx = torch.cat([g.mm(w.to(g.dtype)) for g, w in zip(grads, chunks, strict=True)], 1).to(x.dtype)
         if ctx.needs_input_grad[1]:
@@ -177,7 +209,8 @@ class _Rowdot(torch.autograd.Function):
 def _apply(x: Tensor, chunks: Tensor, fold: bool, round_bf16: bool) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or chunks.requires_grad):
         return _Rowdot.apply(x, chunks, fold, round_bf16)
-    return rowdot_chunks(x, chunks, fold=fold, round_bf16=round_bf16).to(x.dtype)
+    y = rowdot_chunks(x, chunks, fold=fold, round_bf16=round_bf16)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def chunked_linear(x: Tensor, chunks: Tensor, *, fold: bool) -> Tensor:

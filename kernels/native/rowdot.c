@@ -17,16 +17,8 @@
  * one by one or folded left to right in fp32 (((p0 + p1) + p2) + ...). One chunk is plain rowdot.
  *
  * x and w may each be fp32 or bf16 (bf16 -> fp32 is exact); y is fp32. Strides in elements. */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "native.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define ROWDOT_X86 1
-#endif
-
-#define LANES 8
 #define MR 4      /* rows of x per micro-tile */
 #define NR 3      /* rows of w per micro-tile */
 #define NBLOCK 96 /* rows of w per parallel task (a multiple of NR and of 4) */
@@ -40,40 +32,6 @@ typedef struct {
     int round_bf16;        /* round each partial to bf16 */
     int64_t ldy, ychunk;   /* y: elements between rows; between partials (0: fold them) */
 } geom;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (isnan(f))
-        u = 0x7fc00000u;
-    else
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* lanes of one 8-wide block starting at element k of p (n <= 8 valid, rest zero) */
-static inline void block_f32(const char *p, int is_bf16, int64_t k, int n, float out[LANES]) {
-    for (int j = 0; j < LANES; j++) out[j] = 0.0f;
-    if (is_bf16) {
-        const uint16_t *q = (const uint16_t *)p + k;
-        for (int j = 0; j < n; j++) out[j] = bf16_to_f32(q[j]);
-    } else {
-        const float *q = (const float *)p + k;
-        for (int j = 0; j < n; j++) out[j] = q[j];
-    }
-}
-
-static inline float lane_sum(const float a[LANES]) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 /* a finished partial of chunk c: rounded if asked, then stored or folded into *total */
 static inline void emit(const geom *g, float p, int c, float *total, float *out) {
@@ -108,31 +66,7 @@ static void dot_portable(const char *x, int xb, const char *w, int wb, float *y,
     }
 }
 
-#ifdef ROWDOT_X86
-#define AVX2 __attribute__((target("avx2,fma")))
-/* inlined into each dtype specialisation of dot_avx2, so the operand dtypes are constants there */
-#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
-
-AVX2_INLINE static __m256 load8(const char *p, int is_bf16, int64_t k) {
-    if (is_bf16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)p + k);
-}
-
-AVX2_INLINE static __m256 load_tail(const char *p, int is_bf16, int64_t k, int n) {
-    float t[LANES];
-    block_f32(p, is_bf16, k, n, t);
-    return _mm256_loadu_ps(t);
-}
-
-AVX2_INLINE static float hsum(__m256 a) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* a0+a4 .. a3+a7 */
-    __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                                 /* t0+t2, t1+t3 */
-    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));                  /* u0 + u1 */
-}
-
+#ifdef NATIVE_X86
 /* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 4): NAME##_chunk computes the
  * partials of one chunk, NAME all chunks (one chunk stored directly); fully unrolled by the compiler
  * for the constant shapes below. */
@@ -224,14 +158,7 @@ static void dot_avx2(const char *x, int xb, const char *w, int wb, float *y, con
 #endif
 
 /* 1 when this build has a vector path and the CPU runs it. */
-int rowdot_vector_path(void) {
-#ifdef ROWDOT_X86
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
+int rowdot_vector_path(void) { return native_vector_path(); }
 
 /* x [M, chunks*K] (row stride ldx; chunk c starts K*c elements into a row), w: chunk c, row n at
  * element c*wchunk + n*ldw. y: folded [M, N] (ychunk 0) or partials, partial c of element (m, n)
@@ -253,7 +180,7 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
         int64_t mt = t / ntasks, nt = t % ntasks;
         int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
         int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
-#ifdef ROWDOT_X86
+#ifdef NATIVE_X86
         if (vector) {
             dot_avx2((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
             continue;

@@ -6,10 +6,11 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..backend import SINGLE, Backend, MoERouting, RowWeight, ShardGroup
+from ..backend import SINGLE, Backend, MoERouting, RowWeight, ShardGroup, divide_by_temperature
 from ..kv import AttentionBatch, KVSource
+from ..native import rowwise
+from ..native.attention import attention as native_attention
 from . import elementwise, moe
-from .attention import attention
 
 
 class ReferenceBackend(Backend):
@@ -32,15 +33,23 @@ class ReferenceBackend(Backend):
         return super().chunk_partials(x, chunks)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if rowwise.supported(x, weight):
+            return elementwise.rmsnorm(x, weight, eps, forward=rowwise.rmsnorm)
         return elementwise.rmsnorm(x, weight, eps)
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # the native kernel gives the torch expression's bits; autograd keeps the torch ops
+        if rowwise.supported(x) and not (torch.is_grad_enabled() and x.requires_grad):
+            return rowwise.rope(x, cos, sin)
         return elementwise.rope(x, cos, sin)
 
     def attention(self, q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float) -> Tensor:
-        return attention(q, kv, batch, scale, row_tile=self.config.row_tile, kv_tile=self.config.kv_tile)
+        # the tile routine in C (kernels/native/attention.c): K/V read in place through an index
+        return native_attention(q, kv, batch, scale, kv_tile=self.config.kv_tile)
 
     def swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
+        if rowwise.supported(gate, up):
+            return elementwise.swiglu(gate, up, forward=rowwise.swiglu)
         return elementwise.swiglu(gate, up)
 
     def moe_route(self, router_logits: Tensor, top_k: int, normalize: bool) -> MoERouting:
@@ -52,4 +61,4 @@ class ReferenceBackend(Backend):
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         # fp32 logits; a bf16 LM head is widened inside rowdot (exact) instead of copied to fp32
         logits = native.linear(hidden.float(), lm_head)
-        return torch.log_softmax(logits / temperature[:, None], dim=-1)
+        return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)

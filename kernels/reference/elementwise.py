@@ -4,9 +4,15 @@ per-row reductions: RMSNorm, RoPE, SwiGLU.
 torch's fused ``silu``/``sigmoid`` are NOT used: on CPU their vectorised body and scalar tail give
 different bits (measured), so a row's result would depend on where it sits in the tensor.
 ``exp`` is used instead; the selftest certifies that its vector and scalar paths agree.
+
+These torch forms are the Ascend backend's host-side reference and the fp16 path; the reference
+backend passes its native kernels (``kernels.native.rowwise``) as the ``forward`` of RMSNorm and
+SwiGLU for fp32/bf16, under the same autograd functions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,17 +32,17 @@ def _rmsnorm_forward(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """Forward: the in-place no-grad steps (the bits of the recorded ops, with a third of the
-    temporaries); backward: the analytic gradient in fp32 (gradients carry no bitwise contract)."""
+    """Forward: ``forward`` (the no-grad steps, or a native kernel: the bits of the no-grad path);
+    backward: the analytic gradient in fp32 (gradients carry no bitwise contract)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, forward: Callable[..., Tensor]) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return _rmsnorm_forward(x, weight, eps)
+        return forward(x, weight, eps)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
         xf = x.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -47,17 +53,15 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gn = grad.float() * weight.float()
             gx = (r * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, forward: Callable[..., Tensor] = _rmsnorm_forward) -> Tensor:
+    """RMSNorm with HF's cast/multiply order; ``forward(x, weight, eps)`` computes it without autograd
+    (default: the torch steps above), and the same function runs inside the autograd function."""
     if _no_grad(x, weight):
-        return _rmsnorm_forward(x, weight, eps)
-    if x.dtype == weight.dtype:
-        return _RMSNorm.apply(x, weight, eps)
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+        return forward(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, forward)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -80,25 +84,31 @@ def silu(x: Tensor) -> Tensor:
     return xf / (torch.exp(-xf) + 1.0)
 
 
+def _swiglu_forward(gate: Tensor, up: Tensor) -> Tensor:
+    return silu(gate).mul_(up.float()).to(gate.dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
-    """Forward: the in-place no-grad steps (same bits); backward: the analytic gradient in fp32."""
+    """Forward: ``forward`` (the no-grad steps, or a native kernel); backward: the analytic
+    gradient in fp32."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, gate: Tensor, up: Tensor, forward: Callable[..., Tensor]) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        return silu(gate).mul_(up.float()).to(gate.dtype)
+        return forward(gate, up)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
         gf, g = gate.float(), grad.float()
         sig = torch.sigmoid(gf)
         g_gate = (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype) if ctx.needs_input_grad[0] else None
         g_up = (g * gf * sig).to(up.dtype) if ctx.needs_input_grad[1] else None
-        return g_gate, g_up
+        return g_gate, g_up, None
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, forward: Callable[..., Tensor] = _swiglu_forward) -> Tensor:
+    """``silu(gate) * up`` in ``gate``'s dtype; ``forward(gate, up)`` computes it without autograd."""
     if _no_grad(gate, up):
-        return silu(gate).mul_(up.float()).to(gate.dtype)
-    return _SwiGLU.apply(gate, up)
+        return forward(gate, up)
+    return _SwiGLU.apply(gate, up, forward)

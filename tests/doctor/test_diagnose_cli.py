@@ -42,7 +42,7 @@ def test_json_output_of_an_operator_fault(tiny_paths: dict[str, Path], capsys: p
     assert proc.returncode == 1, proc.stderr  # a divergence was diagnosed
     d = json.loads(proc.stdout)
     assert set(d) >= REQUIRED
-    assert (d["divergent"], d["class"], d["cause"], d["op"], d["layer"]) == (True, "operator", "kernel", "linear", 0)
+    assert (d["divergent"], d["class"], d["cause"], d["op"], d["layer"]) == (True, "operator", "kernel", "rmsnorm", 0)
     assert d["max_abs_logdiff"] > 0 and d["backends"]["rollout"].startswith("fast-r8-kv16")
     assert d["facts"]["kernel_config"]["differ"] is True and d["facts"]["weights"]["differ"] is False
 
@@ -64,7 +64,7 @@ def test_store_samples_and_generate_output(store: Path, generated: dict[str, dic
     proc = run_cli(["diagnose", str(fast), "--json"])
     assert proc.returncode == 1, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
-    assert (d["class"], d["op"], d["layer"]) == ("operator", "linear", 0)
+    assert (d["class"], d["op"], d["layer"]) == ("operator", "rmsnorm", 0)
     assert d["backends"]["rollout"] == generated["fast"]["kernel_fingerprint"]
     assert "rollout_matches_sample" in d["replay"] and "trainer_matches_sample" in d["replay"]
     assert d["replay"]["trainer_matches_sample"] is True  # the store's trainer logprobs are reproduced

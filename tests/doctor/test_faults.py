@@ -20,10 +20,12 @@ def run(loader: Callable[[str, str], object], model: str = "tiny-qwen3", **kw: o
     return diagnose(model, kernel_fingerprint=FINGERPRINT, loader=loader, **kw)  # type: ignore[arg-type]
 
 
-def assert_first(d: Diagnosis, klass: str, cause: str, op: str, layer: int | None) -> None:
+def assert_first(d: Diagnosis, klass: str, cause: str, op: str, layer: int | None, *, reaches_logprobs: bool = True,
+                 ) -> None:
     assert d.divergent, d.format()
     assert (d.klass, d.cause, d.op, d.layer) == (klass, cause, op, layer), d.format()
-    assert d.max_abs_logdiff > 0, d.format()
+    if reaches_logprobs:
+        assert d.max_abs_logdiff > 0, d.format()
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])
@@ -40,10 +42,12 @@ def test_consistent_pair_reports_no_divergence(loader: Callable[[str, str], obje
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama", "tiny-qwen3-moe"])
 def test_fast_kernels_in_rollout_are_an_operator_fault(loader: Callable[[str, str], object], model: str) -> None:
     d = run(loader, model, rollout="kernels=fast")
-    # F.linear (MKL) adds in another order than rowdot: the very first linear of the prefill differs
-    assert_first(d, "operator", "kernel", "linear", 0)
-    assert d.module == "model.layers.0.self_attn.q_proj" and d.phase == "prefill"
-    assert d.position == 0
+    # the fast backend's RMSNorm is torch's ops; the reference sums the squares in rowdot's order
+    # (kernels/native/rowwise.c): the very first op of the prefill differs, at the rows whose sums
+    # round differently (an ulp there may round away before a tiny random model's token logprobs)
+    assert_first(d, "operator", "kernel", "rmsnorm", 0, reaches_logprobs=False)
+    assert d.module == "model.layers.0.input_layernorm" and d.phase == "prefill"
+    assert 0 <= d.position < len(PROMPT_IDS)
     assert d.differing_inputs == []  # identical inputs ...
     assert d.swap == {"reproducible": True, "rollout_op_on_trainer_inputs": False,  # ... different outputs
                       "trainer_op_on_trainer_inputs": True}

@@ -156,7 +156,7 @@ def test_triage_diagnoses_the_worst_samples(store: Path) -> None:
     per_sample = [ln for ln in lines if ln.startswith(str(store))]
     assert len(per_sample) == 3
     fast = [ln for ln in per_sample if "/job-fast/" in ln]
-    assert len(fast) == 2 and all("operator/kernel at linear (layer 0)" in ln for ln in fast)
+    assert len(fast) == 2 and all("operator/kernel at rmsnorm (layer 0)" in ln for ln in fast)
     consistent = [ln for ln in per_sample if "/job-consistent/" in ln]
     assert consistent and consistent[0].endswith("none (no divergence on replay)")
     summary = next(ln for ln in lines if ln.startswith("summary: "))

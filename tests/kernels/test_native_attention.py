@@ -1,0 +1,173 @@
+"""The native attention (kernels/native/attention.c): a row's bits depend only on its query, its own
+sequence's K/V at positions <= its own and the KV tile — never on the other rows, the source (paged
+cache or training forward), positions past its own, threads or the instruction set; the order is
+the documented one; it is close to exact attention; its gradient is the softmax-attention one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
+from onpolicy.kernels.native import attention as na
+from onpolicy.models.context import PackedContext
+
+F32_ULP = 2.0 ** -23
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float64).float())
+
+
+def test_exp_paths_agree_and_are_accurate() -> None:
+    x = torch.cat([torch.linspace(-87.0, 0.0, 200_003), torch.linspace(-3, 3, 1001)])
+    y = na.exp(x)
+    assert torch.equal(y, na.exp(x, portable=True))
+    ref = torch.exp(x.double())
+    assert float(((y.double() - ref).abs() / ref).max()) < 2 * F32_ULP
+    special = na.exp(torch.tensor([float("-inf"), -100.0, 0.0, float("nan")]))
+    assert special[:3].tolist() == [0.0, 0.0, 1.0] and math.isnan(special[3])
+
+
+def _packed(lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    return q, k, v, PackedContext(lens)
+
+
+def _exact(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
+    out, start, g = [], 0, q.shape[1] // k.shape[1]
+    for n in lens:
+        qs = q[start:start + n].double().transpose(0, 1)
+        ks = k[start:start + n].double().repeat_interleave(g, 1).transpose(0, 1)
+        vs = v[start:start + n].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = (qs @ ks.transpose(1, 2) * scale).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        out.append((s.softmax(-1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,tile", [(64, 64), (40, 16), (13, 4)])
+def test_rows_paths_threads_and_exactness(dtype, d, tile) -> None:
+    lens = [150, 77, 5, 1]
+    q, k, v, ctx = _packed(lens, 6, 2, d, dtype, d + tile)
+    out = na.attention(q, ctx.kv(0, k, v), ctx.batch, 0.125, kv_tile=tile)
+    assert out.dtype == dtype and out.shape == q.shape
+    seq, pos = ctx.batch.memo("native_rows", lambda: None)
+    idx = next(val for key, val in ctx.batch._memo.items() if isinstance(key, tuple) and key[0] == "native_index")[1]
+    kr, vr = k.reshape(-1, d), v.reshape(-1, d)
+    full = na.attention_rows(q, kr, vr, idx, seq, pos, 0.125, tile)
+    assert torch.equal(full, na.attention_rows(q, kr, vr, idx, seq, pos, 0.125, tile, portable=True))
+    assert torch.equal(full, na.attention_rows(q, kr, vr, idx, seq, pos, 0.125, tile, threads=1))
+    assert torch.equal(full, na.attention_rows(q, kr, vr, idx, seq, pos, 0.125, tile, threads=3))
+    for n in (0, 63, 64, 149, 150, 226, 230, 232):  # each row alone, first/last of tiles and sequences
+        assert torch.equal(na.attention_rows(q[n:n + 1], kr, vr, idx, seq[n:n + 1], pos[n:n + 1], 0.125, tile),
+                           full[n:n + 1])
+    err = (full.double() - _exact(q, k, v, lens, 0.125)).abs().max()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-4), err
+
+
+def test_the_order_is_the_documented_one() -> None:
+    """Tiles of 4 positions, D = 10 (a zero-padded lane block), GQA 2:1: recomputed step by step."""
+    lens, tile, scale = [11], 4, 0.3
+    q, k, v, ctx = _packed(lens, 2, 1, 10, torch.float32, 4)
+    out = na.attention(q, ctx.kv(0, k, v), ctx.batch, scale, kv_tile=tile)
+
+    def dot(a: list[float], b: list[float]) -> float:
+        a, b = a + [0.0] * 6, b + [0.0] * 6
+        lanes = [0.0] * 8
+        for blk in range(0, 16, 8):
+            for j in range(8):
+                lanes[j] = _f32(a[blk + j] * b[blk + j] + lanes[j])
+        f = [torch.tensor(x) for x in lanes]
+        return float(((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7])))
+
+    def exp_(x: float) -> float:
+        return float(na.exp(torch.tensor([x]))[0])
+
+    t32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    for p in range(11):
+        for h in range(2):
+            qv, m, l_, acc = q[p, h].tolist(), 0.0, t32(0.0), [t32(0.0)] * 10
+            for j0 in range(0, p + 1, tile):
+                js = range(j0, min(j0 + tile, p + 1))
+                s = [float(t32(dot(qv, k[j, 0].tolist())) * t32(scale)) for j in js]
+                m_new = max(s) if j0 == 0 else max(m, max(s))
+                e = [exp_(float(t32(x) - t32(m_new))) for x in s]
+                lanes = [t32(0.0)] * 8
+                for i, x in enumerate(e):
+                    lanes[i % 8] = lanes[i % 8] + t32(x)
+                f = lanes
+                r = ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]))
+                pv = [0.0] * 10
+                for i, j in enumerate(js):
+                    pv = [_f32(e[i] * v[j, 0, c].item() + pv[c]) for c in range(10)]
+                if j0 == 0:
+                    l_, acc = r, [t32(x) for x in pv]
+                else:
+                    a = t32(exp_(float(t32(m) - t32(m_new))))
+                    l_ = l_ * a + r
+                    acc = [acc[c] * a + t32(pv[c]) for c in range(10)]
+                m = m_new
+            want = torch.stack([acc[c] / l_ for c in range(10)])
+            assert torch.equal(out[p, h], want), (p, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_equals_the_training_forward(dtype) -> None:
+    """The same sequences as packed training rows and as one paged decode row per position, through
+    the reference backend: bitwise equal; slots past each position hold NaN and are never read."""
+    ops = get_backend(KernelConfig(kv_tile=16, compute_dtype="fp32" if dtype == torch.float32 else "bf16"))
+    lens, page = [37, 20], 16
+    q, k, v, ctx = _packed(lens, 4, 2, 32, dtype, 8)
+    train = ops.attention(q, ctx.kv(0, k, v), ctx.batch, 0.2)
+    pages = 2 + sum(-(-n // page) for n in lens)
+    kp = torch.full((pages, page, 2, 32), float("nan"), dtype=dtype)
+    vp = torch.full((pages, page, 2, 32), float("nan"), dtype=dtype)
+    table = torch.zeros(len(lens), 3, dtype=torch.int64)
+    start, nxt = 0, 1  # page 0 stays NaN: unused table entries point at it
+    for s, n in enumerate(lens):
+        for j in range(-(-n // page)):
+            table[s, j] = nxt
+            rows = slice(start + j * page, start + min(n, (j + 1) * page))
+            kp[nxt, :rows.stop - rows.start], vp[nxt, :rows.stop - rows.start] = k[rows], v[rows]
+            nxt += 1
+        start += n
+    for step in range(max(lens)):
+        live = [s for s, n in enumerate(lens) if step < n]
+        rows = [sum(lens[:s]) + step for s in live]
+        batch = AttentionBatch.build([1] * len(live), [step] * len(live), [step + 1] * len(live))
+        kv = PagedKV(kp, vp, table[live])
+        assert torch.equal(ops.attention(q[rows], kv, batch, 0.2), train[rows]), step
+
+
+def test_gradients_match_exact_attention() -> None:
+    lens = [23, 9]
+    q, k, v, ctx = _packed(lens, 6, 3, 16, torch.float32, 5)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = na.attention(q, ctx.kv(0, k, v), ctx.batch, 0.25, kv_tile=8)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(_exact(qd, kd, vd, lens, 0.25), (qd, kd, vd), g.double())
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(out.detach(), na.attention(q, ctx.kv(0, k, v), ctx.batch, 0.25, kv_tile=8))
+
+
+def test_a_source_naming_rows_outside_its_storage_is_an_error() -> None:
+    q, _, _, _ = _packed([4], 2, 1, 8, torch.float32, 0)
+    pages = torch.zeros(2, 4, 1, 8)
+    batch = AttentionBatch.build([4], [0], [4])
+    bad = PagedKV(pages, pages, torch.tensor([[5]]))  # page 5 of a 2-page pool
+    with pytest.raises(ValueError, match="outside its 8 storage rows"):
+        na.attention(q, bad, batch, 0.5, kv_tile=4)
+    ok = ContiguousKV(pages[0], pages[0], torch.tensor([0, 4]))
+    assert na.attention(q, ok, batch, 0.5, kv_tile=4).shape == q.shape
