@@ -99,3 +99,15 @@ def test_bad_shapes_are_errors() -> None:
         rowwise.rope(torch.ones(2, 1, 7), torch.ones(2, 7), torch.ones(2, 7))
     with pytest.raises(ValueError, match="differ"):
         rowwise.swiglu(torch.ones(2, 8), torch.ones(2, 9))
+
+
+@pytest.mark.parametrize("backend", ["reference", "fast"])
+def test_logprobs_at_temperature_one_are_the_divided_logits(backend) -> None:
+    """The division is skipped when every temperature is exactly 1: the bits of dividing by 1."""
+    ops = get_backend(KernelConfig(backend=backend))
+    h, w = rnd(5, 64, seed=14), rnd(300, 64, seed=15)
+    ones = torch.ones(5)
+    logits = native.linear(h, w) if backend == "reference" else F.linear(h, w)
+    assert torch.equal(ops.logprobs(h, w, ones), torch.log_softmax(logits / ones[:, None], -1))
+    t = torch.tensor([1.0, 0.7, 1.0, 2.0, 1.0])
+    assert torch.equal(ops.logprobs(h, w, t), torch.log_softmax(logits / t[:, None], -1))

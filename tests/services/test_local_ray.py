@@ -1,5 +1,5 @@
-"""The embedded local Ray: a start whose GCS does not come up in time is retried once, then fails
-with Ray's own error, and leaves no process of the failed sessions behind."""
+"""The embedded local Ray: a start that times out is retried on a fresh session, then fails with
+Ray's own error, and leaves no process of the failed sessions behind."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def session_processes(session_dir: str) -> list[str]:
     return found
 
 
-def test_a_local_start_that_times_out_is_retried_once_and_cleaned_up(monkeypatch, capsys) -> None:
+def test_a_local_start_that_times_out_is_retried_and_cleaned_up(monkeypatch, capsys) -> None:
     import ray
 
     from onpolicy.services.cluster.local_ray import GCS_WAIT_ENV, LOCAL_START_ATTEMPTS, init_ray, is_start_timeout
@@ -53,3 +53,11 @@ def test_the_operator_setting_for_the_gcs_wait_wins(monkeypatch) -> None:
     monkeypatch.setenv(GCS_WAIT_ENV, "7")
     ray_env()
     assert os.environ[GCS_WAIT_ENV] == "7"
+
+
+def test_both_ray_start_timeouts_are_retryable() -> None:
+    from onpolicy.services.cluster.local_ray import is_start_timeout
+
+    assert is_start_timeout(RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_1."))
+    assert is_start_timeout(Exception("The current node timed out during startup. This could happen because ..."))
+    assert not is_start_timeout(RuntimeError("Address already in use"))
