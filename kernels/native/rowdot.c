@@ -31,6 +31,7 @@ typedef struct {
     int chunks;
     int round_bf16;        /* round each partial to bf16 */
     int64_t ldy, ychunk;   /* y: elements between rows; between partials (0: fold them) */
+    int accumulate;        /* fold into y: y + the (single) chunk's partial, instead of storing it */
 } geom;
 
 /* a finished partial of chunk c: rounded if asked, then stored or folded into *total */
@@ -41,7 +42,7 @@ static inline void emit(const geom *g, float p, int c, float *total, float *out)
         return;
     }
     *total = c ? *total + p : p;
-    if (c == g->chunks - 1) *out = *total;
+    if (c == g->chunks - 1) *out = g->accumulate ? *out + *total : *total;
 }
 
 /* Portable path: one element at a time, the same operations as the vector path. */
@@ -100,10 +101,13 @@ static void dot_portable(const char *x, int xb, const char *w, int wb, float *y,
     AVX2_INLINE static void NAME(const char *x, int xb, const char *w, int wb, float *y,           \
                                  const geom *g) {                                                  \
         float p[R][C];                                                                             \
-        if (g->chunks == 1 && !g->round_bf16 && !g->ychunk) {                                      \
+        if (g->chunks == 1 && !g->ychunk) {                                                        \
             NAME##_chunk(x, xb, w, wb, g, p);                                                      \
             for (int r = 0; r < R; r++)                                                            \
-                for (int c = 0; c < C; c++) y[r * g->ldy + c] = p[r][c];                           \
+                for (int c = 0; c < C; c++) {                                                      \
+                    float v = g->round_bf16 ? round_bf16(p[r][c]) : p[r][c], *o = y + r * g->ldy + c; \
+                    *o = g->accumulate ? *o + v : v;                                               \
+                }                                                                                  \
             return;                                                                                \
         }                                                                                          \
         float total[R][C] = {{0}};                                                                 \
@@ -169,7 +173,12 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
                     int round_partials_bf16, int64_t M, int64_t N, int threads, int force_portable) {
     size_t xs = x_bf16 ? 2 : 4, ws = w_bf16 ? 2 : 4;
     geom g = {(size_t)ldx * xs, (size_t)ldw * ws, (size_t)K * xs, (size_t)wchunk * ws, K,
-              chunks, round_partials_bf16, ldy, ychunk};
+              chunks, round_partials_bf16, ldy, ychunk, 0};
+    /* Folded chunks run chunk by chunk inside each task (y holds the running fold between them):
+     * the same additions in the same order, with one chunk's rows of w in cache at a time. */
+    int chunk_outer = chunks > 1 && !ychunk;
+    geom one = g;
+    one.chunks = 1;
     int vector = !force_portable && rowdot_vector_path();
     int64_t ntasks = (N + NBLOCK - 1) / NBLOCK, mtasks = (M + MBLOCK - 1) / MBLOCK;
     int64_t tasks = ntasks * mtasks;
@@ -180,12 +189,18 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
         int64_t mt = t / ntasks, nt = t % ntasks;
         int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
         int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
+        for (int ch = 0; ch < (chunk_outer ? chunks : 1); ch++) {
+            geom gc = one;
+            gc.accumulate = ch > 0;
+            const geom *gp = chunk_outer ? &gc : &g;
+            const char *xc = (const char *)x + ch * g.xchunk, *wc = (const char *)w + ch * g.wchunk;
 #ifdef NATIVE_X86
-        if (vector) {
-            dot_avx2((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
-            continue;
-        }
+            if (vector) {
+                dot_avx2(xc, x_bf16, wc, w_bf16, y, gp, m0, m1, n0, n1);
+                continue;
+            }
 #endif
-        dot_portable((const char *)x, x_bf16, (const char *)w, w_bf16, y, &g, m0, m1, n0, n1);
+            dot_portable(xc, x_bf16, wc, w_bf16, y, gp, m0, m1, n0, n1);
+        }
     }
 }
