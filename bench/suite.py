@@ -4,6 +4,7 @@ measures, at which sizes (``Setup``: full or ``--quick``), on models loaded once
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,6 +35,10 @@ class Setup:
     new_tokens: int = 128
     repeats: int = 1
     """Timed runs of each rollout measurement (after a short warm-up); the median is reported."""
+    rounds: int = 1
+    """Side-by-side measurements (rollout and trainer) are taken this many times, the engines
+    alternating within each round, and each engine's median throughput is reported: on a machine
+    whose speed drifts, every engine then sees the same drift."""
     train_batch: int = 4
     train_len: int = 256
     train_repeats: int = 2
@@ -116,8 +121,13 @@ class Workbench:
 
     def _side_by_side(self, key: tuple[object, ...], engine: str, measure: Callable[[str], float]) -> float:
         if (*key, engine) not in self._memo:
-            for name in sorted(self.engines | {engine}):
-                self._memo[(*key, name)] = measure(name)
+            names = sorted(self.engines | {engine})
+            runs: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(self.setup.rounds):
+                for name in names:
+                    runs[name].append(measure(name))
+            for name in names:
+                self._memo[(*key, name)] = statistics.median(runs[name])
         return self._memo[(*key, engine)]
 
 

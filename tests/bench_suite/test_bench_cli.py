@@ -47,12 +47,15 @@ def test_bench_all_quick_json_schema(tiny_paths: dict[str, Path]) -> None:
 
 
 def test_bench_suite_table_and_usage_errors(tiny_paths: dict[str, Path]) -> None:
+    proc = bench("overhead", "--model", "tiny-llama", "--quick", "--batches", "2", "--rounds", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["details"]["setup"]["rounds"] == 2  # engines alternated twice
     proc = bench("overhead", "--model", "tiny-llama", "--quick", "--batches", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["benchmark", "ours", "baseline", "ratio"]
     assert any(line.startswith("overhead/rollout/bs2/fp32 ") for line in lines)
-    for args, fragment in ((["--batches", "1,x"], "--batches"), (["--new-tokens", "0"], "--new-tokens"),
+    for args, fragment in ((["--batches", "1,x"], "--batches"), (["--new-tokens", "0"], "--new-tokens"), (["--rounds", "0"], "--rounds"),
                            (["--model", "no-such-model"], "no-such-model")):
         bad = bench("roofline", "--quick", *args)
         assert bad.returncode == 2, bad.stderr[-2000:]
