@@ -113,7 +113,9 @@ def library() -> ctypes.CDLL:
     lib.rmsnorm_rows.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _PTR, _INT, _I64, _I64, _F, _INT, _INT]
     lib.rope_rows.argtypes = [_PTR, _INT, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
     lib.swiglu_rows.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _INT, _INT]
-    for fn in (lib.rmsnorm_rows, lib.rope_rows, lib.swiglu_rows):
+    lib.swiglu_backward_rows.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _INT, _I64, _PTR, _PTR, _I64, _I64,
+                                         _INT]
+    for fn in (lib.rmsnorm_rows, lib.rope_rows, lib.swiglu_rows, lib.swiglu_backward_rows):
         fn.restype = None
     return lib
 

@@ -73,3 +73,19 @@ def swiglu(gate: Tensor, up: Tensor, *, portable: bool = False, threads: int | N
         library().swiglu_rows(g.data_ptr(), int(g.dtype == _BF16), g.stride(0), u.data_ptr(), int(u.dtype == _BF16),
                               u.stride(0), out.data_ptr(), g.shape[0], width, _threads(threads), int(portable))
     return out
+
+
+def swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor, *, threads: int | None = None) -> tuple[Tensor, Tensor]:
+    """SwiGLU's analytic gradient in one pass: ``(d_gate, d_up)`` in the dtypes of ``gate`` and ``up``."""
+    if not gate.shape == up.shape == grad.shape:
+        raise ValueError(f"swiglu_backward: gate {tuple(gate.shape)}, up {tuple(up.shape)} and grad "
+                         f"{tuple(grad.shape)} differ")
+    width = gate.shape[-1]
+    g, u, d = _rows(gate, width), _rows(up, width), _rows(grad, width)
+    d_gate, d_up = torch.empty(gate.shape, dtype=gate.dtype), torch.empty(up.shape, dtype=up.dtype)
+    if g.shape[0]:
+        library().swiglu_backward_rows(g.data_ptr(), int(g.dtype == _BF16), g.stride(0), u.data_ptr(),
+                                       int(u.dtype == _BF16), u.stride(0), d.data_ptr(), int(d.dtype == _BF16),
+                                       d.stride(0), d_gate.data_ptr(), d_up.data_ptr(), g.shape[0], width,
+                                       _threads(threads))
+    return d_gate, d_up

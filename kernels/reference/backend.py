@@ -49,7 +49,7 @@ class ReferenceBackend(Backend):
 
     def swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
         if rowwise.supported(gate, up):
-            return elementwise.swiglu(gate, up, forward=rowwise.swiglu)
+            return elementwise.swiglu(gate, up, forward=rowwise.swiglu, backward=rowwise.swiglu_backward)
         return elementwise.swiglu(gate, up)
 
     def moe_route(self, router_logits: Tensor, top_k: int, normalize: bool) -> MoERouting:

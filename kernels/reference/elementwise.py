@@ -88,27 +88,34 @@ def _swiglu_forward(gate: Tensor, up: Tensor) -> Tensor:
     return silu(gate).mul_(up.float()).to(gate.dtype)
 
 
+def _swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    gf, g = gate.float(), grad.float()
+    sig = torch.sigmoid(gf)
+    return (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype), (g * gf * sig).to(up.dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
-    """Forward: ``forward`` (the no-grad steps, or a native kernel); backward: the analytic
-    gradient in fp32."""
+    """Forward: ``forward`` (the no-grad steps, or a native kernel); backward: ``backward``, the
+    analytic gradient (torch ops in fp32, or a native kernel)."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor, forward: Callable[..., Tensor]) -> Tensor:  # type: ignore[override]
+    def forward(ctx, gate: Tensor, up: Tensor, forward: Callable[..., Tensor],  # type: ignore[override]
+                backward: Callable[..., tuple[Tensor, Tensor]]) -> Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.grad_fn = backward
         return forward(gate, up)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        gf, g = gate.float(), grad.float()
-        sig = torch.sigmoid(gf)
-        g_gate = (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype) if ctx.needs_input_grad[0] else None
-        g_up = (g * gf * sig).to(up.dtype) if ctx.needs_input_grad[1] else None
-        return g_gate, g_up, None
+        g_gate, g_up = ctx.grad_fn(gate, up, grad)
+        return (g_gate if ctx.needs_input_grad[0] else None, g_up if ctx.needs_input_grad[1] else None, None, None)
 
 
-def swiglu(gate: Tensor, up: Tensor, forward: Callable[..., Tensor] = _swiglu_forward) -> Tensor:
-    """``silu(gate) * up`` in ``gate``'s dtype; ``forward(gate, up)`` computes it without autograd."""
+def swiglu(gate: Tensor, up: Tensor, forward: Callable[..., Tensor] = _swiglu_forward,
+           backward: Callable[..., tuple[Tensor, Tensor]] = _swiglu_backward) -> Tensor:
+    """``silu(gate) * up`` in ``gate``'s dtype; ``forward(gate, up)`` computes it without autograd,
+    ``backward(gate, up, grad)`` its gradient."""
     if _no_grad(gate, up):
         return forward(gate, up)
-    return _SwiGLU.apply(gate, up, forward)
+    return _SwiGLU.apply(gate, up, forward, backward)

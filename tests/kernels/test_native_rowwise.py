@@ -111,3 +111,15 @@ def test_logprobs_at_temperature_one_are_the_divided_logits(backend) -> None:
     assert torch.equal(ops.logprobs(h, w, ones), torch.log_softmax(logits / ones[:, None], -1))
     t = torch.tensor([1.0, 0.7, 1.0, 2.0, 1.0])
     assert torch.equal(ops.logprobs(h, w, t), torch.log_softmax(logits / t[:, None], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_kernel_matches_the_torch_gradient(dtype) -> None:
+    gate, up = rnd(33, 203, seed=16, scale=4).to(dtype), rnd(33, 203, seed=17).to(dtype)
+    grad = rnd(33, 203, seed=18).to(dtype)
+    d_gate, d_up = rowwise.swiglu_backward(gate, up, grad)
+    assert d_gate.dtype == dtype and d_up.dtype == dtype
+    want = E._swiglu_backward(gate, up, grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(d_gate.float(), want[0].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(d_up.float(), want[1].float(), rtol=tol, atol=tol)
