@@ -55,7 +55,8 @@ def test_bench_suite_table_and_usage_errors(tiny_paths: dict[str, Path]) -> None
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:4] == ["benchmark", "ours", "baseline", "ratio"]
     assert any(line.startswith("overhead/rollout/bs2/fp32 ") for line in lines)
-    for args, fragment in ((["--batches", "1,x"], "--batches"), (["--new-tokens", "0"], "--new-tokens"), (["--rounds", "0"], "--rounds"),
+    for args, fragment in ((["--batches", "1,x"], "--batches"), (["--new-tokens", "0"], "--new-tokens"),
+                           (["--rounds", "0"], "--rounds"),
                            (["--model", "no-such-model"], "no-such-model")):
         bad = bench("roofline", "--quick", *args)
         assert bad.returncode == 2, bad.stderr[-2000:]
