@@ -35,24 +35,41 @@ def _kv_rows(t: Tensor, name: str) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _check_rows(idx: Tensor, seq: Tensor, pos: Tensor, storage_rows: int) -> None:
+    """Every index the kernel will follow is in range (it reads memory through them unchecked)."""
+    s, _, length = idx.shape
+    if int(seq.min()) < 0 or int(seq.max()) >= s or int(pos.min()) < 0 or int(pos.max()) >= length:
+        raise ValueError(f"attention: a row's sequence or position is outside the index [{s}, *, {length}]")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= storage_rows):
+        raise ValueError(f"attention: the K/V source names rows outside its {storage_rows} storage rows")
+
+
 def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor, scale: float,
-                   kv_tile: int, *, portable: bool = False, threads: int | None = None) -> Tensor:
+                   kv_tile: int, *, portable: bool = False, threads: int | None = None, checked: bool = False,
+                   ) -> Tensor:
     """fp32 ``[N, Hq, D]``: query row ``n`` (of sequence ``seq[n]`` at position ``pos[n]``) attends over
-    storage rows ``idx[seq[n], h // (Hq / Hkv), 0..pos[n]]`` of ``k_rows``/``v_rows [R, D]``. The caller
-    guarantees ``0 <= idx < R`` and ``pos < L``; ``portable`` runs the portable path, ``threads``
-    defaults to torch's."""
+    storage rows ``idx[seq[n], h // (Hq / Hkv), 0..pos[n]]`` of ``k_rows``/``v_rows [R, D]``. Every
+    index is range-checked unless ``checked`` (the caller did it, once per batch); ``portable`` runs
+    the portable path, ``threads`` defaults to torch's."""
     n, hq, d = q.shape
     _, hkv, length = idx.shape
     if q.dtype == torch.float16:
         q = q.float()
     if not _operand_dtype_ok(q) or q.stride(-1) != 1:
         q = q.float().contiguous()
-    if k_rows.dtype != v_rows.dtype:
-        v_rows = v_rows.to(k_rows.dtype)
-    if hq % hkv or k_rows.shape[1] != d or v_rows.shape[1] != d or v_rows.stride(0) != k_rows.stride(0):
-        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k_rows.shape)}, v {tuple(v_rows.shape)} and "
-                         f"{hkv} KV heads do not fit together")
+    if k_rows.dtype != v_rows.dtype:  # widen both (exact) rather than round one
+        k_rows, v_rows = k_rows.float(), v_rows.float()
+    if v_rows.stride(0) != k_rows.stride(0):
+        k_rows, v_rows = k_rows.contiguous(), v_rows.contiguous()
+    if (hq % hkv or k_rows.shape != v_rows.shape or k_rows.shape[1] != d or kv_tile < 1
+            or seq.shape != (n,) or pos.shape != (n,)):
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k_rows.shape)}, v {tuple(v_rows.shape)}, "
+                         f"{hkv} KV heads, {n} rows of seq/pos and kv_tile {kv_tile} do not fit together")
+    if any(t.device.type != "cpu" for t in (q, k_rows, v_rows, idx, seq, pos)):
+        raise ValueError("attention: the native kernel runs on CPU tensors")
     idx, seq, pos = (t.to(torch.int64).contiguous() for t in (idx, seq, pos))
+    if not checked and n:
+        _check_rows(idx, seq, pos, k_rows.shape[0])
     out = torch.empty((n, hq, d), dtype=torch.float32)
     if n:
         rc = library().attention_rows(
@@ -72,7 +89,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor,  # type: ignore[override]
                 scale: float, kv_tile: int) -> Tensor:
-        out = attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile)
+        out = attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile, checked=True)
         ctx.save_for_backward(q, k_rows, v_rows, idx, seq, pos, out)
         ctx.scale = scale
         return out
@@ -125,11 +142,14 @@ def _row_layout(batch: AttentionBatch) -> tuple[Tensor, Tensor]:
     return seq, pos
 
 
-def _index(kv: KVSource, batch: AttentionBatch, hkv: int, storage_rows: int) -> Tensor:
-    idx = head_slots(kv.slots(batch.max_kv_len), hkv)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= storage_rows):
-        raise ValueError(f"attention: the K/V source names rows outside its {storage_rows} storage rows")
-    return idx.contiguous()
+def _index(kv: KVSource, batch: AttentionBatch, hkv: int, storage_rows: int, seq: Tensor, pos: Tensor) -> Tensor:
+    """The ``[S, Hkv, L]`` storage rows of every (sequence, KV head, position), range-checked once."""
+    idx = head_slots(kv.slots(batch.max_kv_len), hkv).contiguous()
+    if idx.shape[0] != batch.num_seqs:
+        raise ValueError(f"attention: the K/V source has {idx.shape[0]} sequences, the batch {batch.num_seqs}")
+    if batch.num_rows:
+        _check_rows(idx, seq, pos, storage_rows)
+    return idx
 
 
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, kv_tile: int) -> Tensor:
@@ -140,13 +160,17 @@ def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, k
     hkv = k.shape[1]
     if q.shape[1] % hkv:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {hkv} KV heads")
+    if q.shape[0] != batch.num_rows:
+        raise ValueError(f"attention: {q.shape[0]} query rows for a batch of {batch.num_rows}")
     k_rows, v_rows = _kv_rows(k, "k"), _kv_rows(v, "v")
+    if k_rows.shape != v_rows.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     seq, pos = batch.memo("native_rows", lambda: _row_layout(batch))
     _, idx = batch.memo(("native_index", hkv, layout_key(kv)),
                         lambda: (kv.page_table if hasattr(kv, "page_table") else kv.cu_seqlens,
-                                 _index(kv, batch, hkv, k_rows.shape[0])))
+                                 _index(kv, batch, hkv, k_rows.shape[0], seq, pos)))
     if torch.is_grad_enabled() and (q.requires_grad or k_rows.requires_grad or v_rows.requires_grad):
         out = _Attention.apply(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile)
     else:
-        out = attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile)
+        out = attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile, checked=True)
     return out.to(q.dtype)

@@ -3,8 +3,10 @@
 These are the forward steps of the reference backend's row-wise operators for fp32 and bf16 CPU
 tensors: one call instead of the handful of small torch ops each takes, which dominate a decode
 step at small batch. Under autograd the same forwards run inside ``kernels.reference.elementwise``'s
-autograd functions (analytic backward); ``rope`` gives the bits of the torch expression, so its
-training path stays torch (asserted by the tests).
+autograd functions (SwiGLU's analytic backward is native too: ``swiglu_backward``). ``rope`` gives
+the bits of the torch expression for every finite and infinite value (a NaN stays a NaN; its bf16
+payload may differ from torch's vectorised cast), so its training path stays torch (asserted by the
+tests).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ def supported(*ts: Tensor) -> bool:
     return all(_operand_dtype_ok(t) for t in ts)
 
 
+def _require(name: str, *ts: Tensor) -> None:
+    if not supported(*ts):
+        raise ValueError(f"{name}: the native kernel takes fp32/bf16 CPU tensors, got "
+                         f"{', '.join(f'{t.dtype} on {t.device}' for t in ts)}")
+
+
 def _rows(t: Tensor, width: int) -> Tensor:
     """``t`` as ``[rows, width]`` with a unit inner stride (a view when possible)."""
     r = t.reshape(-1, width)
@@ -34,6 +42,7 @@ def _threads(threads: int | None) -> int:
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float, *, portable: bool = False, threads: int | None = None) -> Tensor:
     """RMSNorm over the last dim (no autograd): bf16 out when ``x`` and ``weight`` both are, else fp32."""
+    _require("rmsnorm", x, weight)
     h = x.shape[-1]
     if weight.shape != (h,):
         raise ValueError(f"rmsnorm: weight {tuple(weight.shape)} does not match the last dim {h}")
@@ -49,6 +58,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, *, portable: bool = False, th
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, *, threads: int | None = None) -> Tensor:
     """Rotary embedding of ``x [N, H, D]`` with fp32 ``cos``/``sin [N, D]`` in ``x``'s dtype (no autograd)."""
+    _require("rope", x, cos, sin)
     n, heads, d = x.shape
     if cos.shape != (n, d) or sin.shape != (n, d) or d % 2:
         raise ValueError(f"rope: x {tuple(x.shape)} needs fp32 cos/sin [{n}, {d}] and an even head dim")
@@ -64,6 +74,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, threads: int | None = None) -> 
 
 def swiglu(gate: Tensor, up: Tensor, *, portable: bool = False, threads: int | None = None) -> Tensor:
     """``silu(gate) * up`` in ``gate``'s dtype (no autograd), with the kernels' own ``exp_``."""
+    _require("swiglu", gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     width = gate.shape[-1]
@@ -77,6 +88,7 @@ def swiglu(gate: Tensor, up: Tensor, *, portable: bool = False, threads: int | N
 
 def swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor, *, threads: int | None = None) -> tuple[Tensor, Tensor]:
     """SwiGLU's analytic gradient in one pass: ``(d_gate, d_up)`` in the dtypes of ``gate`` and ``up``."""
+    _require("swiglu_backward", gate, up, grad)
     if not gate.shape == up.shape == grad.shape:
         raise ValueError(f"swiglu_backward: gate {tuple(gate.shape)}, up {tuple(up.shape)} and grad "
                          f"{tuple(grad.shape)} differ")

@@ -171,3 +171,22 @@ def test_a_source_naming_rows_outside_its_storage_is_an_error() -> None:
         na.attention(q, bad, batch, 0.5, kv_tile=4)
     ok = ContiguousKV(pages[0], pages[0], torch.tensor([0, 4]))
     assert na.attention(q, ok, batch, 0.5, kv_tile=4).shape == q.shape
+
+
+def test_inputs_that_do_not_fit_together_are_errors_not_reads() -> None:
+    """The kernel follows seq/pos/idx into memory unchecked, so the wrapper checks them first."""
+    q, k, v, ctx = _packed([6, 3], 2, 1, 8, torch.float32, 1)
+    kv = ctx.kv(0, k, v)
+    with pytest.raises(ValueError, match="10 query rows for a batch of 9"):
+        na.attention(torch.cat([q, q[:1]]), kv, ctx.batch, 0.5, kv_tile=4)
+    na.attention(q, kv, ctx.batch, 0.5, kv_tile=4)
+    seq, pos = ctx.batch.memo("native_rows", lambda: None)
+    idx = next(val for key, val in ctx.batch._memo.items() if isinstance(key, tuple) and key[0] == "native_index")[1]
+    kr, vr = k.reshape(-1, 8), v.reshape(-1, 8)
+    for bad_seq, bad_pos in ((seq + 1, pos), (seq, pos + 7), (seq, pos - 1)):
+        with pytest.raises(ValueError, match="outside the index"):
+            na.attention_rows(q, kr, vr, idx, bad_seq, bad_pos, 0.5, 4)
+    with pytest.raises(ValueError, match="do not fit together"):
+        na.attention_rows(q, kr, vr, idx, seq, pos, 0.5, 0)
+    with pytest.raises(ValueError, match="do not fit together"):
+        na.attention_rows(q, kr, vr[:-1], idx, seq, pos, 0.5, 4)

@@ -123,3 +123,10 @@ def test_swiglu_backward_kernel_matches_the_torch_gradient(dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(d_gate.float(), want[0].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(d_up.float(), want[1].float(), rtol=tol, atol=tol)
+
+
+def test_other_dtypes_are_errors_not_misreads() -> None:
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        rowwise.rmsnorm(torch.ones(2, 8, dtype=torch.float16), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        rowwise.swiglu(torch.ones(2, 8, dtype=torch.float64), torch.ones(2, 8, dtype=torch.float64))
