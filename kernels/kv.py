@@ -2,10 +2,11 @@
 
 ``AttentionBatch`` says, for every query row, which sequence it belongs to and its absolute
 position. A K/V source is either ``ContiguousKV`` (training forward, packed sequences) or
-``PagedKV`` (rollout engine: page table + pages). Both are turned into the same dense per-sequence
-block layout by pure indexing (no arithmetic), so every path feeds the same tile routine: each
-source names the row of every (sequence, position) in a flat ``[rows, Hkv, D]`` view of its storage
-(``slots``), and one row gather builds the dense copy from it.
+``PagedKV`` (rollout engine: page table + pages). Each source names the row of every (sequence,
+position) in a flat ``[rows, Hkv, D]`` view of its storage (``slots``), so every path feeds the same
+tile routine by indexing alone (no arithmetic): the reference backend's native attention reads the
+storage rows in place through that index; the torch tile routine (Ascend's specification) and the
+fast backend build a dense copy from it with one row gather.
 """
 
 from __future__ import annotations
