@@ -1,5 +1,9 @@
-"""The attention tile routine: one numerical path for training, prefill, chunked prefill and
-paged decode (DESIGN §3, alignments 1–3).
+"""The attention tile routine in torch: one numerical path for training, prefill, chunked prefill
+and paged decode (DESIGN §3, alignments 1–3).
+
+Since contract 5 the reference backend runs the same routine in C (``kernels/native/attention.c``,
+with its own order of additions, reading K/V in place); this torch form is the specification the
+Ascend backend's kernels and CPU emulation follow, and its query grouping serves the fast backend.
 
 For a query at position p, keys ``0..p`` are visited in KV tiles of ``kv_tile`` positions from
 position 0 ascending. Scores are fp32; positions > p are set to −inf before the tile max (so they
