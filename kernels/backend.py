@@ -8,6 +8,7 @@ A backend is constructed from a ``KernelConfig``; its arithmetic depends only on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,6 +123,16 @@ class Backend(ABC):
     @abstractmethod
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` for 2-D ``x [N, K]`` and ``weight [Out, K]``."""
+
+    #: Whether :meth:`linears` computes a group of projections in one call: the model then calls it
+    #: for q/k/v and gate/up instead of one ``linear`` per projection module (a backend that wraps
+    #: another, like the doctor's capture, keeps the per-module calls).
+    groups_projections: bool = False
+
+    def linears(self, x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
+        """The projections ``[linear(x, w) for w in weights]`` of one input. A backend may compute
+        them together; each output keeps the bits of its own ``linear``."""
+        return [self.linear(x, w) for w in weights]
 
     def row_linear(self, x: Tensor, weight: RowWeight, group: ShardGroup = SINGLE) -> Tensor:
         """Row-parallel ``x @ W.T`` where ``W``'s input dim K is sharded over ``group`` and ``x [N, K_local]``

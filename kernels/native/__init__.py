@@ -2,9 +2,11 @@
 
 - ``rowdot`` (``rowdot.c``): the linear whose order of additions is fixed by the algorithm, so its
   bits do not depend on the row count, the columns a call computes, the micro-tile or the thread
-  count; and its chunked form, the canonical row-parallel reduction in one call (``chunked_linear``).
+  count; its chunked form, the canonical row-parallel reduction in one call (``chunked_linear``);
+  and its group form, the projections of one input in one call (``linears``).
 - the attention tile routine (``attention.c``, wrapped by :mod:`.attention`): each query row reads
-  its own sequence's K/V rows through an index, so paged decode, prefill and training share it.
+  its own sequence's K/V rows through an index, so paged decode, prefill and training share it;
+  its gradient (``attention_backward.c``) in one call too.
 - RMSNorm, RoPE and SwiGLU (``rowwise.c``, wrapped by :mod:`.rowwise`), one call each.
 - ``native.h``: what they share (bf16 conversions, the dot product's lanes and lane tree, ``exp_``).
 
@@ -25,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,7 +36,8 @@ from torch import Tensor
 
 from onpolicy.home import onpolicy_home
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("native.h", "rowdot.c", "attention.c", "rowwise.c"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("native.h", "rowdot.c", "attention.c", "attention_backward.c", "rowwise.c"))
 #: No -ffast-math, no FP contraction: the source's operations are the arithmetic.
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -102,11 +107,16 @@ def library() -> ctypes.CDLL:
     lib.rowdot_chunked.argtypes = [_PTR, _INT, _I64, _PTR, _INT, _I64, _I64, _INT, _I64, _PTR, _I64, _I64, _INT,
                                    _I64, _I64, _INT, _INT]
     lib.rowdot_chunked.restype = None
+    lib.rowdot_group.argtypes = [_PTR, _INT, _I64, _I64, _INT, _PTR, _INT, _I64, _INT, _INT]
+    lib.rowdot_group.restype = _INT
     lib.rowdot_vector_path.argtypes = []
     lib.rowdot_vector_path.restype = _INT
     lib.attention_rows.argtypes = [_PTR, _INT, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _PTR, _PTR, _I64,
                                    _INT, _INT, _INT, _INT, ctypes.c_float, _PTR, _INT, _INT]
     lib.attention_rows.restype = _INT
+    lib.attention_backward_rows.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
+                                            _INT, _INT, _INT, ctypes.c_float, _PTR, _PTR, _PTR, _INT]
+    lib.attention_backward_rows.restype = _INT
     lib.native_exp.argtypes = [_PTR, _PTR, _I64, _INT]
     lib.native_exp.restype = None
     _F = ctypes.c_float
@@ -127,11 +137,11 @@ def vector_path() -> bool:
 
 def _operand_dtype_ok(t: Tensor) -> bool:
     """Whether the kernels read ``t`` in place: fp32 or bf16 on CPU."""
-    return t.dtype in _OPERAND_DTYPES and t.device.type == "cpu"
+    return t.dtype in _OPERAND_DTYPES and t.is_cpu
 
 
 def _operand(t: Tensor, name: str, dims: int = 2) -> Tensor:
-    if t.is_contiguous() and t.dtype in _OPERAND_DTYPES and t.dim() == dims and t.device.type == "cpu":
+    if t.is_contiguous() and t.dtype in _OPERAND_DTYPES and t.dim() == dims and t.is_cpu:
         return t  # the common case, checked first (this runs twice per linear of a decode step)
     if t.dim() != dims:
         raise ValueError(f"rowdot expects {dims}-D {name}, got shape {tuple(t.shape)}")
@@ -167,13 +177,43 @@ def rowdot_chunks(x: Tensor, chunks: Tensor, *, fold: bool, round_bf16: bool = F
     m = x.shape[0]
     if x.shape[1] != c * kc:
         raise ValueError(f"rowdot: x has {x.shape[1]} columns, {c} chunks of {kc} need {c * kc}")
-    y = torch.empty((m, n) if fold else (c, m, n), dtype=torch.float32)
+    y = torch.empty(*((m, n) if fold else (c, m, n)), dtype=torch.float32)  # sizes as arguments: cheaper
     if m and n and c:
         library().rowdot_chunked(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0),
                                  chunks.data_ptr(), int(chunks.dtype == torch.bfloat16), chunks.stride(1),
                                  chunks.stride(0), c, kc, y.data_ptr(), n, 0 if fold else m * n, int(round_bf16),
                                  m, n, threads or torch.get_num_threads(), int(portable))
     return y
+
+
+#: Most weights one ``rowdot_group`` call takes (``ROWDOT_GROUP`` in rowdot.c).
+GROUP_MAX = 8
+
+
+def rowdot_group(x: Tensor, weights: Sequence[Tensor], *, portable: bool = False, threads: int | None = None,
+                 ) -> list[Tensor]:
+    """``[rowdot(x, w) for w in weights]`` (fp32 ``[M, N_w]`` each) in one native call: the threads
+    share the weights' rows as one list of tasks, and every element is computed as rowdot computes
+    it, so each output has the bits of its own call. The weights share ``x``'s K and one dtype."""
+    x = _operand(x, "x")
+    ws = [_operand(w, "weight") for w in weights]
+    if not 1 <= len(ws) <= GROUP_MAX:
+        raise ValueError(f"rowdot_group takes 1 to {GROUP_MAX} weights, got {len(ws)}")
+    k = x.shape[1]
+    if any(w.shape[1] != k for w in ws) or len({w.dtype for w in ws}) != 1:
+        raise ValueError(f"rowdot_group: x has {k} columns; the weights {[tuple(w.shape) for w in ws]} "
+                         f"({sorted({str(w.dtype) for w in ws})}) need {k} columns and one dtype")
+    m, n = x.shape[0], len(ws)
+    ys = [torch.empty(m, w.shape[0], dtype=torch.float32) for w in ws]
+    if m:
+        meta = array("q", [*(w.data_ptr() for w in ws), *(w.stride(0) for w in ws), *(w.shape[0] for w in ws),
+                           *(y.data_ptr() for y in ys)])
+        rc = library().rowdot_group(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), k, n,
+                                    meta.buffer_info()[0], int(ws[0].dtype == torch.bfloat16), m,
+                                    threads or torch.get_num_threads(), int(portable))
+        if rc != 0:
+            raise ValueError(f"rowdot_group: the kernel refused a group of {n} weights")
+    return ys
 
 
 class _Rowdot(torch.autograd.Function):
@@ -229,3 +269,15 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear expects x [N, K] and weight [Out, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     return _apply(x, weight[None], True, False)
+
+
+def linears(x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
+    """The projections ``[linear(x, w) for w in weights]`` of one input (q/k/v, gate/up) in ``x``'s
+    dtype, with the same bits: one :func:`rowdot_group` call without autograd, one ``linear`` per
+    weight under it (or when the weights' dtypes differ)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if (grad or x.dtype not in _OPERAND_DTYPES or not 1 <= len(weights) <= GROUP_MAX
+            or len({w.dtype for w in weights}) != 1):
+        return [linear(x, w) for w in weights]
+    ys = rowdot_group(x, weights)  # checks the shapes
+    return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]

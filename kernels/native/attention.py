@@ -4,8 +4,8 @@ Every query row reads the K/V rows of its own sequence at positions ``0..p`` thr
 ``[S, Hkv, L]`` into the storage rows of the source (a paged cache or a training forward's packed
 K/V), so no dense copy of the keys and values is made and a row's arithmetic never depends on the
 batch (``attention.c`` states the order). Under autograd the forward is the same kernel and the
-backward is the analytic softmax-attention gradient in fp32 torch ops, per sequence (gradients
-carry no bitwise contract).
+backward is the analytic softmax-attention gradient in one native call (``attention_backward.c``;
+gradients carry no bitwise contract, it is deterministic).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: 
                    ) -> Tensor:
     """fp32 ``[N, Hq, D]``: query row ``n`` (of sequence ``seq[n]`` at position ``pos[n]``) attends over
     storage rows ``idx[seq[n], h // (Hq / Hkv), 0..pos[n]]`` of ``k_rows``/``v_rows [R, D]``. Every
-    index is range-checked unless ``checked`` (the caller did it, once per batch); ``portable`` runs
+    index is range-checked unless ``checked`` (the caller did it, once per batch, and passes int64
+    contiguous ``idx``/``seq``/``pos``); ``portable`` runs
     the portable path, ``threads`` defaults to torch's."""
     n, hq, d = q.shape
     _, hkv, length = idx.shape
@@ -65,12 +66,13 @@ def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: 
             or seq.shape != (n,) or pos.shape != (n,)):
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k_rows.shape)}, v {tuple(v_rows.shape)}, "
                          f"{hkv} KV heads, {n} rows of seq/pos and kv_tile {kv_tile} do not fit together")
-    if any(t.device.type != "cpu" for t in (q, k_rows, v_rows, idx, seq, pos)):
+    if not (q.is_cpu and k_rows.is_cpu and v_rows.is_cpu and idx.is_cpu and seq.is_cpu and pos.is_cpu):
         raise ValueError("attention: the native kernel runs on CPU tensors")
-    idx, seq, pos = (t.to(torch.int64).contiguous() for t in (idx, seq, pos))
-    if not checked and n:
-        _check_rows(idx, seq, pos, k_rows.shape[0])
-    out = torch.empty((n, hq, d), dtype=torch.float32)
+    if not checked:  # (a checked index is the caller's int64 contiguous one)
+        idx, seq, pos = (t.to(torch.int64).contiguous() for t in (idx, seq, pos))
+        if n:
+            _check_rows(idx, seq, pos, k_rows.shape[0])
+    out = torch.empty(n, hq, d, dtype=torch.float32)
     if n:
         rc = library().attention_rows(
             q.data_ptr(), int(q.dtype == torch.bfloat16), q.stride(0), q.stride(1), k_rows.data_ptr(),
@@ -82,9 +84,43 @@ def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: 
     return out
 
 
+def attention_backward(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor,
+                       out: Tensor, grad: Tensor, scale: float, *, threads: int | None = None,
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient of :func:`attention_rows` (``out`` its output, ``grad`` the output's gradient):
+    fp32 ``(dq [N, Hq, D], dk, dv [R, D])`` in one native call (``attention_backward.c``: one task per
+    sequence and query head, deterministic). ``idx``/``seq``/``pos`` are the forward's (int64,
+    range-checked)."""
+    n, hq, d = q.shape
+    s, hkv, length = idx.shape
+    qf, gf, of = (t.detach().float().contiguous() for t in (q, grad, out))
+    kf, vf = (t.detach().float().contiguous() for t in (k_rows, v_rows))
+    order = torch.argsort(seq, stable=True)
+    starts = torch.zeros(s + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(seq, minlength=s), 0, out=starts[1:])
+    lens = torch.zeros(s, dtype=torch.int64).scatter_reduce_(0, seq, pos + 1, "amax")
+    dq = torch.empty(n, hq, d, dtype=torch.float32)
+    dk_heads = torch.empty(s, hq, length, d, dtype=torch.float32)
+    dv_heads = torch.empty(s, hq, length, d, dtype=torch.float32)
+    if n and d:
+        rc = library().attention_backward_rows(
+            qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), of.data_ptr(), idx.data_ptr(), length,
+            pos.data_ptr(), order.data_ptr(), starts.data_ptr(), lens.data_ptr(), s, hq, hkv, d, scale,
+            dq.data_ptr(), dk_heads.data_ptr(), dv_heads.data_ptr(), threads or torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("attention backward: the kernel's scratch memory could not be allocated")
+    # the positions each sequence read, summed over the query heads of each KV head, into the rows
+    read = (torch.arange(length)[None, :] < lens[:, None])[:, None, :].expand(s, hkv, length)
+    rows = idx[read]
+    dk, dv = torch.zeros(kf.shape, dtype=torch.float32), torch.zeros(vf.shape, dtype=torch.float32)
+    for heads, grads in ((dk_heads, dk), (dv_heads, dv)):
+        per_kv = heads.view(s, hkv, hq // hkv, length, d).sum(2)
+        grads.index_add_(0, rows, per_kv[read])
+    return dq, dk, dv
+
+
 class _Attention(torch.autograd.Function):
-    """Forward: :func:`attention_rows`. Backward: per sequence, recompute the fp32 softmax with torch
-    ops and apply the standard attention gradient; K/V gradients are scattered back to the rows."""
+    """Forward: :func:`attention_rows`. Backward: :func:`attention_backward`."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor,  # type: ignore[override]
@@ -97,35 +133,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k_rows, v_rows, idx, seq, pos, out = ctx.saved_tensors
-        hq, d = q.shape[1], q.shape[2]
-        hkv = idx.shape[1]
-        g = hq // hkv
-        grad = grad.float()
-        dq = torch.zeros(q.shape, dtype=torch.float32)
-        dk = torch.zeros(k_rows.shape, dtype=torch.float32)
-        dv = torch.zeros(v_rows.shape, dtype=torch.float32)
-        delta = (grad * out).sum(-1)  # [N, Hq]
-        order = torch.argsort(seq, stable=True)
-        counts = torch.bincount(seq, minlength=idx.shape[0]).tolist()
-        for s, rows in enumerate(order.split(counts)):
-            if not rows.numel():
-                continue
-            p = pos[rows]
-            length = int(p.max()) + 1
-            kid = idx[s, :, :length].reshape(-1)
-            ks = k_rows.index_select(0, kid).float().view(hkv, 1, length, d).expand(hkv, g, length, d)
-            vs = v_rows.index_select(0, kid).float().view(hkv, 1, length, d).expand(hkv, g, length, d)
-            ks, vs = ks.reshape(hq, length, d), vs.reshape(hq, length, d)
-            qs = q[rows].float().transpose(0, 1)  # [Hq, n, D]
-            gs = grad[rows].transpose(0, 1)
-            scores = torch.matmul(qs, ks.transpose(1, 2)) * ctx.scale
-            scores.masked_fill_(torch.arange(length) > p[:, None], float("-inf"))
-            prob = torch.softmax(scores, dim=-1)  # [Hq, n, L]
-            dprob = torch.matmul(gs, vs.transpose(1, 2))
-            dscore = prob * (dprob - delta[rows].t()[..., None]) * ctx.scale
-            dq[rows] = torch.matmul(dscore, ks).transpose(0, 1)
-            dk.index_add_(0, kid, torch.matmul(dscore.transpose(1, 2), qs).view(hkv, g, length, d).sum(1).view(-1, d))
-            dv.index_add_(0, kid, torch.matmul(prob.transpose(1, 2), gs).view(hkv, g, length, d).sum(1).view(-1, d))
+        dq, dk, dv = attention_backward(q, k_rows, v_rows, idx, seq, pos, out, grad, ctx.scale)
         need = ctx.needs_input_grad
         return (dq.to(q.dtype) if need[0] else None, dk.to(k_rows.dtype) if need[1] else None,
                 dv.to(v_rows.dtype) if need[2] else None, None, None, None, None, None)
@@ -144,7 +152,7 @@ def _row_layout(batch: AttentionBatch) -> tuple[Tensor, Tensor]:
 
 def _index(kv: KVSource, batch: AttentionBatch, hkv: int, storage_rows: int, seq: Tensor, pos: Tensor) -> Tensor:
     """The ``[S, Hkv, L]`` storage rows of every (sequence, KV head, position), range-checked once."""
-    idx = head_slots(kv.slots(batch.max_kv_len), hkv).contiguous()
+    idx = head_slots(kv.slots(batch.max_kv_len), hkv).to(torch.int64).contiguous()
     if idx.shape[0] != batch.num_seqs:
         raise ValueError(f"attention: the K/V source has {idx.shape[0]} sequences, the batch {batch.num_seqs}")
     if batch.num_rows:

@@ -21,7 +21,7 @@
 
 #define MR 4      /* rows of x per micro-tile */
 #define NR 3      /* rows of w per micro-tile */
-#define NBLOCK 96 /* rows of w per parallel task (a multiple of NR and of 4) */
+#define NBLOCK 96 /* rows of w per parallel task (a multiple of NR and of 8) */
 #define MBLOCK 64 /* rows of x per parallel task (a multiple of MR) */
 
 typedef struct {
@@ -68,9 +68,10 @@ static void dot_portable(const char *x, int xb, const char *w, int wb, float *y,
 }
 
 #ifdef NATIVE_X86
-/* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 4): NAME##_chunk computes the
+/* One micro-tile of R rows of x by C rows of w (R <= MR, C <= 8): NAME##_chunk computes the
  * partials of one chunk, NAME all chunks (one chunk stored directly); fully unrolled by the compiler
- * for the constant shapes below. */
+ * for the constant shapes below. A lone row of x (decode) takes 8 rows of w at a time: eight
+ * concurrent streams of weights read faster than four (measured: +5 % GB/s at batch 1). */
 #define TILE(NAME, R, C)                                                                           \
     AVX2_INLINE static void NAME##_chunk(const char *x, int xb, const char *w, int wb, const geom *g, \
                                          float p[R][C]) {                                          \
@@ -119,7 +120,7 @@ static void dot_portable(const char *x, int xb, const char *w, int wb, float *y,
     }
 
 TILE(tile_4x3, 4, 3)
-TILE(tile_1x4, 1, 4)
+TILE(tile_1x8, 1, 8)
 TILE(tile_1x1, 1, 1)
 
 AVX2_INLINE static void dot_avx2_impl(const char *x, int xb, const char *w, int wb, float *y, const geom *g,
@@ -135,8 +136,8 @@ AVX2_INLINE static void dot_avx2_impl(const char *x, int xb, const char *w, int 
     }
     for (int64_t m = mfull; m < m1; m++) {
         int64_t n = n0;
-        for (; n + 4 <= n1; n += 4)
-            tile_1x4(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
+        for (; n + 8 <= n1; n += 8)
+            tile_1x8(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
         for (; n < n1; n++)
             tile_1x1(x + m * g->xrow, xb, w + n * g->wrow, wb, y + m * g->ldy + n, g);
     }
@@ -164,6 +165,22 @@ static void dot_avx2(const char *x, int xb, const char *w, int wb, float *y, con
 /* 1 when this build has a vector path and the CPU runs it. */
 int rowdot_vector_path(void) { return native_vector_path(); }
 
+/* rows m0..m1 x n0..n1 of one geometry, on the vector path when asked and present */
+static void dot_block(const char *x, int xb, const char *w, int wb, float *y, const geom *g, int vector,
+                      int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+#ifdef NATIVE_X86
+    if (vector) {
+        dot_avx2(x, xb, w, wb, y, g, m0, m1, n0, n1);
+        return;
+    }
+#else
+    (void)vector;
+#endif
+    dot_portable(x, xb, w, wb, y, g, m0, m1, n0, n1);
+}
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 /* x [M, chunks*K] (row stride ldx; chunk c starts K*c elements into a row), w: chunk c, row n at
  * element c*wchunk + n*ldw. y: folded [M, N] (ychunk 0) or partials, partial c of element (m, n)
  * at c*ychunk + m*ldy + n. x_bf16 / w_bf16: 1 when that operand is bf16. threads: OpenMP threads
@@ -180,7 +197,7 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
     geom one = g;
     one.chunks = 1;
     int vector = !force_portable && rowdot_vector_path();
-    int64_t ntasks = (N + NBLOCK - 1) / NBLOCK, mtasks = (M + MBLOCK - 1) / MBLOCK;
+    int64_t ntasks = ceil_div(N, NBLOCK), mtasks = ceil_div(M, MBLOCK);
     int64_t tasks = ntasks * mtasks;
     if (threads < 1) threads = 1;
     if (tasks < threads) threads = (int)tasks;
@@ -192,15 +209,44 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
         for (int ch = 0; ch < (chunk_outer ? chunks : 1); ch++) {
             geom gc = one;
             gc.accumulate = ch > 0;
-            const geom *gp = chunk_outer ? &gc : &g;
             const char *xc = (const char *)x + ch * g.xchunk, *wc = (const char *)w + ch * g.wchunk;
-#ifdef NATIVE_X86
-            if (vector) {
-                dot_avx2(xc, x_bf16, wc, w_bf16, y, gp, m0, m1, n0, n1);
-                continue;
-            }
-#endif
-            dot_portable(xc, x_bf16, wc, w_bf16, y, gp, m0, m1, n0, n1);
+            dot_block(xc, x_bf16, wc, w_bf16, y, chunk_outer ? &gc : &g, vector, m0, m1, n0, n1);
         }
     }
+}
+
+/* A group of weights applied to one x in one parallel region (the projections of one input: q/k/v,
+ * gate/up). meta holds 4 * nw int64: the weights' addresses, their row strides, their row counts
+ * ns and the outputs' addresses. Weight s is [ns[s], K] (all fp32, or all bf16); its output is
+ * [M, ns[s]] fp32, contiguous. Every element is computed exactly as above, so each output has the
+ * bits of its own rowdot_chunked call (one chunk); the group only shares the fork and join, and
+ * gives the threads the weights' rows as one list of tasks. At most ROWDOT_GROUP weights; returns
+ * -1 (computing nothing) for more. */
+#define ROWDOT_GROUP 8
+int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, const int64_t *meta, int w_bf16,
+                 int64_t M, int threads, int force_portable) {
+    if (nw < 0 || nw > ROWDOT_GROUP) return -1;
+    const int64_t *ldw = meta + nw, *ns = meta + 2 * nw;
+    size_t xs = x_bf16 ? 2 : 4, wsz = w_bf16 ? 2 : 4;
+    int64_t mtasks = ceil_div(M, MBLOCK), first[ROWDOT_GROUP + 1];
+    first[0] = 0;
+    for (int s = 0; s < nw; s++) first[s + 1] = first[s] + ceil_div(ns[s], NBLOCK) * mtasks;
+    int64_t tasks = first[nw];
+    int vector = !force_portable && rowdot_vector_path();
+    if (threads < 1) threads = 1;
+    if (tasks < threads) threads = (int)tasks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int s = 0;
+        while (t >= first[s + 1]) s++;
+        int64_t ntasks = ceil_div(ns[s], NBLOCK), local = t - first[s];
+        int64_t mt = local / ntasks, nt = local % ntasks;
+        int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < ns[s] ? n0 + NBLOCK : ns[s];
+        int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
+        geom g = {(size_t)ldx * xs, (size_t)ldw[s] * wsz, 0, 0, K, 1, 0, ns[s], 0, 0};
+        const char *w = (const char *)(intptr_t)meta[s];
+        float *y = (float *)(intptr_t)meta[3 * nw + s];
+        dot_block((const char *)x, x_bf16, w, w_bf16, y, &g, vector, m0, m1, n0, n1);
+    }
+    return 0;
 }

@@ -48,7 +48,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, *, portable: bool = False, th
         raise ValueError(f"rmsnorm: weight {tuple(weight.shape)} does not match the last dim {h}")
     xr, w = _rows(x, h), weight.contiguous()
     out_dtype = _BF16 if x.dtype == _BF16 and weight.dtype == _BF16 else torch.float32
-    out = torch.empty(x.shape, dtype=out_dtype)
+    out = torch.empty(*x.shape, dtype=out_dtype)
     if xr.shape[0]:
         library().rmsnorm_rows(xr.data_ptr(), int(x.dtype == _BF16), xr.stride(0), w.data_ptr(),
                                int(w.dtype == _BF16), out.data_ptr(), int(out_dtype == _BF16), xr.shape[0], h,
@@ -65,7 +65,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, threads: int | None = None) -> 
     if x.stride(-1) != 1:
         x = x.contiguous()
     c, s = cos.float().contiguous(), sin.float().contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty(*x.shape, dtype=x.dtype)
     if x.numel():
         library().rope_rows(x.data_ptr(), int(x.dtype == _BF16), x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(),
                             out.data_ptr(), n, heads, d, _threads(threads))
@@ -79,7 +79,7 @@ def swiglu(gate: Tensor, up: Tensor, *, portable: bool = False, threads: int | N
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     width = gate.shape[-1]
     g, u = _rows(gate, width), _rows(up, width)
-    out = torch.empty(gate.shape, dtype=gate.dtype)
+    out = torch.empty(*gate.shape, dtype=gate.dtype)
     if g.shape[0]:
         library().swiglu_rows(g.data_ptr(), int(g.dtype == _BF16), g.stride(0), u.data_ptr(), int(u.dtype == _BF16),
                               u.stride(0), out.data_ptr(), g.shape[0], width, _threads(threads), int(portable))
@@ -94,7 +94,7 @@ def swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor, *, threads: int | No
                          f"{tuple(grad.shape)} differ")
     width = gate.shape[-1]
     g, u, d = _rows(gate, width), _rows(up, width), _rows(grad, width)
-    d_gate, d_up = torch.empty(gate.shape, dtype=gate.dtype), torch.empty(up.shape, dtype=up.dtype)
+    d_gate, d_up = torch.empty(*gate.shape, dtype=gate.dtype), torch.empty(up.shape, dtype=up.dtype)
     if g.shape[0]:
         library().swiglu_backward_rows(g.data_ptr(), int(g.dtype == _BF16), g.stride(0), u.data_ptr(),
                                        int(u.dtype == _BF16), u.stride(0), d.data_ptr(), int(d.dtype == _BF16),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -16,8 +18,14 @@ from . import elementwise, moe
 class ReferenceBackend(Backend):
     name = "reference"
 
+    groups_projections = True
+
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return native.linear(x, weight)
+
+    def linears(self, x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
+        # one rowdot_group call without autograd (every element is rowdot's: the bits of each linear)
+        return native.linears(x, weights)
 
     def row_linear(self, x: Tensor, weight: RowWeight, group: ShardGroup = SINGLE) -> Tensor:
         """The canonical reduction of ``Backend.row_linear``; unsharded, partials and fold run inside

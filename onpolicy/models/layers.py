@@ -31,8 +31,19 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
-        y = ops.linear(x, self.weight)
+        return self.add_bias(ops.linear(x, self.weight))
+
+    def add_bias(self, y: Tensor) -> Tensor:
         return y if self.bias is None else y + self.bias
+
+
+def project(x: Tensor, ops: Backend, *projections: Linear) -> list[Tensor]:
+    """``[p(x, ops) for p in projections]`` — as one ``Backend.linears`` call when the backend groups
+    projections (the same bits; a capturing backend keeps one call per module)."""
+    if not ops.groups_projections:
+        return [p(x, ops) for p in projections]
+    ys = ops.linears(x, [p.weight for p in projections])
+    return [p.add_bias(y) for p, y in zip(projections, ys, strict=True)]
 
 
 class RowLinear(Linear):
@@ -56,8 +67,7 @@ class RowLinear(Linear):
         return self._chunk_cache[1]
 
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
-        y = ops.row_linear(x, self, self.group)
-        return y if self.bias is None else y + self.bias
+        return self.add_bias(ops.row_linear(x, self, self.group))
 
 
 class RMSNorm(nn.Module):
@@ -97,18 +107,20 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor:
         n = x.shape[0]
         x = self.tp.enter(x)
-        q = self.q_proj(x, ops).view(n, self.num_heads, self.head_dim)
-        k = self._kv(self.k_proj, x, ops).view(n, self.num_kv_heads, self.head_dim)
-        v = self._kv(self.v_proj, x, ops).view(n, self.num_kv_heads, self.head_dim)
+        if self.kv_slice is None:
+            q, k, v = project(x, ops, self.q_proj, self.k_proj, self.v_proj)
+        else:
+            q, k, v = self.q_proj(x, ops), self._kv_slice(self.k_proj, x, ops), self._kv_slice(self.v_proj, x, ops)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k, v = k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         o = ops.attention(q, ctx.kv(self.layer, k, v), ctx.batch, self.scale)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim), ops)
 
-    def _kv(self, proj: Linear, x: Tensor, ops: Backend) -> Tensor:
-        if self.kv_slice is None:
-            return proj(x, ops)
+    def _kv_slice(self, proj: Linear, x: Tensor, ops: Backend) -> Tensor:
+        assert self.kv_slice is not None
         y = ops.linear(x, self.tp.enter(proj.weight)[self.kv_slice])
         return y if proj.bias is None else y + self.tp.enter(proj.bias)[self.kv_slice]
 
@@ -128,7 +140,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, ops: Backend) -> Tensor:
         if self.tp is not None:
             x = self.tp.enter(x)
-        return self.down_proj(ops.swiglu(self.gate_proj(x, ops), self.up_proj(x, ops)), ops)
+        gate, up = project(x, ops, self.gate_proj, self.up_proj)
+        return self.down_proj(ops.swiglu(gate, up), ops)
 
 
 class SparseMoE(nn.Module):

@@ -3,7 +3,9 @@
 - a paged cache with a zero row (the rollout cache's reserved page) vs zeroing V past each end;
 - decode-shaped batches (every sequence the same query count: grouping by reshape) vs ragged ones;
 - the tile routine's skipped padding rows vs computing them;
-- the LM head without autograd vs with it (a plain rowdot call vs its autograd function).
+- the LM head without autograd vs with it (a plain rowdot call vs its autograd function);
+- q/k/v and gate/up as one ``rowdot_group`` call vs one call per projection module, and vs the
+  autograd path (one ``_Rowdot`` per linear), through a whole model.
 """
 
 from __future__ import annotations
@@ -95,3 +97,26 @@ def test_lm_head_without_autograd_equals_autograd(rows: int, dtype: torch.dtype)
     assert trained.requires_grad and torch.equal(plain, trained.detach())
     # a bf16 head is widened inside rowdot: the bits of an fp32 copy of it
     assert torch.equal(plain, ops.logprobs(x, w.float(), t))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_grouped_projections_give_the_per_module_bits(load_tiny, family: str, dtype: str) -> None:
+    from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
+
+    lm = load_tiny(family, dtype, fresh=True)
+    gen = torch.Generator().manual_seed(11)
+    seqs = [ScoredSequence(tuple(torch.randint(0, 256, (n,), generator=gen).tolist()),
+                           tuple(torch.randint(0, 256, (m,), generator=gen).tolist())) for n, m in ((5, 9), (17, 3))]
+    ops = lm.model.ops
+    assert ops.groups_projections
+    with torch.no_grad():
+        grouped = sequence_logprobs(lm.model, seqs)
+        ops.groups_projections = False  # this instance only
+        per_module = sequence_logprobs(lm.model, seqs)
+    del ops.groups_projections
+    lm.model.requires_grad_(True)
+    trained = sequence_logprobs(lm.model, seqs)
+    assert trained[0].requires_grad
+    for a, b, c in zip(grouped, per_module, trained, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c.detach())

@@ -162,6 +162,32 @@ def test_gradients_match_exact_attention() -> None:
         assert torch.equal(out.detach(), na.attention(q, ctx.kv(0, k, v), ctx.batch, 0.25, kv_tile=8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 13])
+def test_native_backward_matches_exact_attention_and_is_deterministic(dtype, d) -> None:
+    lens, scale = [1, 30, 7], 0.3
+    q, k, v, ctx = _packed(lens, 6, 2, d, dtype, 7)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = na.attention(leaves[0], ctx.kv(0, leaves[1], leaves[2]), ctx.batch, scale, kv_tile=8)
+    got = torch.autograd.grad(out, leaves, g.to(dtype))
+    assert [t.dtype for t in got] == [dtype] * 3
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(_exact(*exact, lens, scale), exact, g.to(dtype).double())
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, **tol)
+    # the kernel itself: the same bits whatever the thread count
+    kv = ctx.kv(0, k, v)
+    seq, pos = na._row_layout(ctx.batch)
+    k_rows, v_rows = (t.reshape(-1, d) for t in kv.flat())
+    idx = na._index(kv, ctx.batch, 2, k_rows.shape[0], seq, pos)
+    fwd = na.attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, 8, checked=True)
+    runs = [na.attention_backward(q, k_rows, v_rows, idx, seq, pos, fwd, g, scale, threads=t) for t in (1, 2, 3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
 def test_a_source_naming_rows_outside_its_storage_is_an_error() -> None:
     q, _, _, _ = _packed([4], 2, 1, 8, torch.float32, 0)
     pages = torch.zeros(2, 4, 1, 8)

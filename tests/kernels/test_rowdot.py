@@ -187,3 +187,45 @@ def test_build_is_cached_per_source_and_compiler_and_a_missing_compiler_is_named
                              capture_output=True, text=True)
     assert missing.returncode != 0
     assert "NativeBuildError" in missing.stderr and "'no-such-cc' was not found" in missing.stderr
+
+
+@pytest.mark.parametrize("m", [0, 1, 3, 9, 70])
+@pytest.mark.parametrize("xd,wd", DTYPES)
+def test_a_group_call_gives_each_weight_the_bits_of_its_own_call(m, xd, wd) -> None:
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 100, generator=gen).to(xd)
+    weights = [torch.randn(n, 100, generator=gen).to(wd) for n in (5, 96, 200, 0, 1, 8, 17)]
+    for threads in (1, 2, 3):
+        ys = native.rowdot_group(x, weights, threads=threads)
+        assert [y.shape for y in ys] == [(m, w.shape[0]) for w in weights]
+        for y, w in zip(ys, weights, strict=True):
+            assert torch.equal(y, native.rowdot(x, w, threads=1))
+        for a, b in zip(ys, native.rowdot_group(x, weights, threads=threads, portable=True), strict=True):
+            assert torch.equal(a, b)
+    # a weight may be a row slice of a wider tensor (read in place)
+    wide = torch.randn(12, 300, generator=gen).to(wd)
+    assert torch.equal(native.rowdot_group(x, [wide[:, 100:200]])[0], native.rowdot(x, wide[:, 100:200].contiguous()))
+
+
+def test_linears_keeps_each_linear_and_its_gradient() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, generator=gen)
+    ws = [torch.randn(n, 64, generator=gen) for n in (64, 16, 16)]
+    for y, w in zip(native.linears(x.bfloat16(), [w.bfloat16() for w in ws]), ws, strict=True):
+        assert y.dtype == torch.bfloat16 and torch.equal(y, native.linear(x.bfloat16(), w.bfloat16()))
+    xg = x.clone().requires_grad_(True)
+    wg = [w.clone().requires_grad_(True) for w in ws]
+    sum(y.sum() for y in native.linears(xg, wg)).backward()
+    assert torch.allclose(xg.grad, sum(w.sum(0) for w in ws).expand(4, 64), rtol=1e-5, atol=1e-5)
+    assert all(torch.allclose(w.grad, x.sum(0).expand_as(w), rtol=1e-5, atol=1e-5) for w in wg)
+
+
+@pytest.mark.parametrize("weights,match", [
+    ([torch.randn(3, 7)], "need 8 columns"),
+    ([torch.randn(3, 8), torch.randn(3, 8).bfloat16()], "one dtype"),
+    ([torch.randn(1, 8)] * (native.GROUP_MAX + 1), "1 to 8 weights"),
+    ([], "1 to 8 weights"),
+])
+def test_bad_groups_are_clear_errors(weights, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        native.rowdot_group(torch.randn(2, 8), weights)
