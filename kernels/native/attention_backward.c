@@ -13,13 +13,15 @@
  *
  * The caller sums dk/dv over the query heads of each KV head and adds them into the storage rows.
  * The portable task sums dot products in 8 lanes and rowdot's lane tree; the AVX2 task (D a
- * multiple of 8) with FMAs, four positions at a time. Each is deterministic on its own; they may
- * differ from each other in the last bits. */
+ * multiple of 8) with FMAs, four positions at a time, and updates dk/dv for BR query rows at once.
+ * Each is deterministic on its own; they may differ from each other in the last bits. */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
+
+#define BR 4 /* query rows per block in the AVX2 task */
 
 typedef struct {
     const float *q, *k, *v, *grad, *out; /* q, grad, out [N, Hq, D]; k, v: storage rows of D */
@@ -99,46 +101,78 @@ AVX2_INLINE static void dots(const float *x, const float *base, const int64_t *i
     for (; j <= p; j++) out[j] = hsum(fma_row(x, base + ix[j] * d, d, _mm256_setzero_ps())) * mul;
 }
 
-AVX2_INLINE static void axpy8(float *y, float a, const float *x, int d) {
-    __m256 av = _mm256_set1_ps(a);
-    for (int k = 0; k < d; k += LANES)
-        _mm256_storeu_ps(y + k, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + k), _mm256_loadu_ps(y + k)));
+/* y[d] = (add ? y[d] : 0) + sum_i c[i * cs] * x_i[d] over i < n, where row x_i is base + ix[i] * D
+ * (ix given) or rows[i]; D a multiple of 8, 32 elements at a time in four registers. */
+AVX2_INLINE static void sum_rows(float *y, int add, const float *base, const int64_t *ix, const float *const *rows,
+                                 const float *c, int64_t cs, int64_t n, int D) {
+    int d = 0;
+    for (; d + 4 * LANES <= D; d += 4 * LANES) {
+        __m256 a[4];
+        for (int u = 0; u < 4; u++) a[u] = add ? _mm256_loadu_ps(y + d + u * LANES) : _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const float *x = (ix ? base + ix[i] * D : rows[i]) + d;
+            __m256 ci = _mm256_set1_ps(c[i * cs]);
+            for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(ci, _mm256_loadu_ps(x + u * LANES), a[u]);
+        }
+        for (int u = 0; u < 4; u++) _mm256_storeu_ps(y + d + u * LANES, a[u]);
+    }
+    for (; d < D; d += LANES) {
+        __m256 a = add ? _mm256_loadu_ps(y + d) : _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(c[i * cs]), _mm256_loadu_ps((ix ? base + ix[i] * D : rows[i]) + d), a);
+        _mm256_storeu_ps(y + d, a);
+    }
 }
+
+/* The AVX2 task takes its sequence's query rows BR at a time: each row's softmax P and dS are
+ * computed into scratch (zero past the row's position), dq is one register-held sum over the
+ * positions, and each position's dk/dv row is loaded and stored once per block of rows. */
 
 AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *sc) {
     int D = b->D, kvh = h / (b->Hq / b->Hkv);
-    int64_t len = b->lens[s];
-    float *dk = b->dk + ((s * b->Hq + h) * b->L) * D, *dv = b->dv + ((s * b->Hq + h) * b->L) * D;
-    float *dp = sc + b->L;
+    int64_t L = b->L, len = b->lens[s];
+    float *dk = b->dk + ((s * b->Hq + h) * L) * D, *dv = b->dv + ((s * b->Hq + h) * L) * D;
+    float *P = sc, *dS = sc + BR * L; /* [BR][L] each */
     memset(dk, 0, sizeof(float) * (size_t)(len * D));
     memset(dv, 0, sizeof(float) * (size_t)(len * D));
-    const int64_t *ix = b->idx + (s * b->Hkv + kvh) * b->L;
-    for (int64_t r = b->starts[s]; r < b->starts[s + 1]; r++) {
-        int64_t n = b->order[r], p = b->pos[n], at = (n * b->Hq + h) * D;
-        const float *q = b->q + at, *g = b->grad + at;
-        float *dq = b->dq + at, m = -INFINITY, l = 0.0f;
-        dots(q, b->k, ix, p, D, b->scale, sc);
-        dots(g, b->v, ix, p, D, 1.0f, dp);
-        for (int64_t j = 0; j <= p; j++) m = sc[j] > m ? sc[j] : m;
-        __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
-        int64_t j8 = 0;
-        for (; j8 + LANES <= p + 1; j8 += LANES) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j8), mv));
-            _mm256_storeu_ps(sc + j8, e);
-            lv = _mm256_add_ps(lv, e);
+    const int64_t *ix = b->idx + (s * b->Hkv + kvh) * L;
+    for (int64_t r0 = b->starts[s]; r0 < b->starts[s + 1]; r0 += BR) {
+        int nb = b->starts[s + 1] - r0 < BR ? (int)(b->starts[s + 1] - r0) : BR;
+        int64_t pmax = 0, ps[BR];
+        const float *qs[BR], *gs[BR];
+        for (int i = 0; i < nb; i++) {
+            int64_t n = b->order[r0 + i], p = b->pos[n], at = (n * b->Hq + h) * D;
+            float *Pi = P + i * L, *dSi = dS + i * L, m = -INFINITY;
+            ps[i] = p, qs[i] = b->q + at, gs[i] = b->grad + at;
+            pmax = p > pmax ? p : pmax;
+            dots(qs[i], b->k, ix, p, D, b->scale, Pi);
+            dots(gs[i], b->v, ix, p, D, 1.0f, dSi); /* dot(grad, v_j) for now */
+            for (int64_t j = 0; j <= p; j++) m = Pi[j] > m ? Pi[j] : m;
+            __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
+            int64_t j = 0;
+            float l;
+            for (; j + LANES <= p + 1; j += LANES) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(Pi + j), mv));
+                _mm256_storeu_ps(Pi + j, e);
+                lv = _mm256_add_ps(lv, e);
+            }
+            l = hsum(lv);
+            for (; j <= p; j++) {
+                Pi[j] = exp_portable(Pi[j] - m);
+                l += Pi[j];
+            }
+            float inv = 1.0f / l, delta = hsum(fma_row(gs[i], b->out + at, D, _mm256_setzero_ps()));
+            for (j = 0; j <= p; j++) {
+                Pi[j] *= inv;
+                dSi[j] = Pi[j] * (dSi[j] - delta) * b->scale;
+            }
+            sum_rows(b->dq + at, 0, b->k, ix, NULL, dSi, 1, p + 1, D);
         }
-        l = hsum(lv);
-        for (; j8 <= p; j8++) {
-            sc[j8] = exp_portable(sc[j8] - m);
-            l += sc[j8];
-        }
-        float inv = 1.0f / l, delta = hsum(fma_row(g, b->out + at, D, _mm256_setzero_ps()));
-        memset(dq, 0, sizeof(float) * (size_t)D);
-        for (int64_t j = 0; j <= p; j++) {
-            float pj = sc[j] * inv, ds = pj * (dp[j] - delta) * b->scale;
-            axpy8(dq, ds, b->k + ix[j] * D, D);
-            axpy8(dk + j * D, ds, q, D);
-            axpy8(dv + j * D, pj, g, D);
+        for (int i = 0; i < nb; i++)
+            for (int64_t j = ps[i] + 1; j <= pmax; j++) P[i * L + j] = dS[i * L + j] = 0.0f;
+        for (int64_t j = 0; j <= pmax; j++) {
+            sum_rows(dk + j * D, 1, NULL, NULL, qs, dS + j, L, nb, D);
+            sum_rows(dv + j * D, 1, NULL, NULL, gs, P + j, L, nb, D);
         }
     }
 }
@@ -157,7 +191,7 @@ int attention_backward_rows(const float *q, const float *k, const float *v, cons
     int64_t tasks = S * Hq;
     if (threads < 1) threads = 1;
     if (tasks < threads) threads = (int)(tasks > 0 ? tasks : 1);
-    int64_t per = 2 * (L > 0 ? L : 1); /* scores and dot(grad, v_j) */
+    int64_t per = 2 * BR * (L > 0 ? L : 1); /* the AVX2 task's P and dS of BR rows (the portable one: L) */
     float *buf = malloc(sizeof(float) * (size_t)(per * threads));
     if (!buf) return -1;
     int vector = native_vector_path() && D % LANES == 0;
