@@ -41,6 +41,8 @@ def test_bench_all_quick_json_schema(tiny_paths: dict[str, Path]) -> None:
     details = report["details"]
     assert details["max_abs_logdiff"]["fp32"]["ours_consistent"] == 0.0  # the contract, on the bench's own run
     assert details["roofline"]["read_bandwidth_gb_s"] > 0
+    rounds = details["roofline"]["fp32"]["bs1_rounds"]  # bandwidth and decode measured back to back
+    assert len(rounds) == details["setup"]["rounds"] and all(r["read_bandwidth_gb_s"] > 0 for r in rounds)
     times = details["rl_step_seconds"]["fp32"]
     assert times["no_recompute"]["recompute_s"] == 0.0 and times["recompute"]["recompute_s"] > 0
     assert details["setup"]["model"] == "tiny-llama"
