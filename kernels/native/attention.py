@@ -44,6 +44,12 @@ def _check_rows(idx: Tensor, seq: Tensor, pos: Tensor, storage_rows: int) -> Non
         raise ValueError(f"attention: the K/V source names rows outside its {storage_rows} storage rows")
 
 
+def _require_index(*ts: Tensor) -> None:
+    """A checked index must still be what the kernel reads: int64 and contiguous."""
+    if not all(t.dtype == torch.int64 and t.is_contiguous() for t in ts):
+        raise ValueError("attention: a checked index must be int64 and contiguous (idx, seq, pos)")
+
+
 def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor, scale: float,
                    kv_tile: int, *, portable: bool = False, threads: int | None = None, checked: bool = False,
                    ) -> Tensor:
@@ -68,10 +74,12 @@ def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: 
                          f"{hkv} KV heads, {n} rows of seq/pos and kv_tile {kv_tile} do not fit together")
     if not (q.is_cpu and k_rows.is_cpu and v_rows.is_cpu and idx.is_cpu and seq.is_cpu and pos.is_cpu):
         raise ValueError("attention: the native kernel runs on CPU tensors")
-    if not checked:  # (a checked index is the caller's int64 contiguous one)
+    if not checked:
         idx, seq, pos = (t.to(torch.int64).contiguous() for t in (idx, seq, pos))
         if n:
             _check_rows(idx, seq, pos, k_rows.shape[0])
+    else:
+        _require_index(idx, seq, pos)
     out = torch.empty(n, hq, d, dtype=torch.float32)
     if n:
         rc = library().attention_rows(
@@ -90,9 +98,16 @@ def attention_backward(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, s
     """The gradient of :func:`attention_rows` (``out`` its output, ``grad`` the output's gradient):
     fp32 ``(dq [N, Hq, D], dk, dv [R, D])`` in one native call (``attention_backward.c``: one task per
     sequence and query head, deterministic). ``idx``/``seq``/``pos`` are the forward's (int64,
-    range-checked)."""
+    range-checked here again: the kernel follows them into memory)."""
     n, hq, d = q.shape
     s, hkv, length = idx.shape
+    if (grad.shape != q.shape or out.shape != q.shape or k_rows.shape != v_rows.shape or k_rows.shape[-1] != d
+            or hq % hkv or seq.shape != (n,) or pos.shape != (n,)):
+        raise ValueError(f"attention backward: q {tuple(q.shape)}, grad {tuple(grad.shape)}, out {tuple(out.shape)}, "
+                         f"k {tuple(k_rows.shape)}, v {tuple(v_rows.shape)} and {hkv} KV heads do not fit together")
+    _require_index(idx, seq, pos)
+    if n:
+        _check_rows(idx, seq, pos, k_rows.shape[0])
     qf, gf, of = (t.detach().float().contiguous() for t in (q, grad, out))
     kf, vf = (t.detach().float().contiguous() for t in (k_rows, v_rows))
     order = torch.argsort(seq, stable=True)

@@ -125,8 +125,9 @@ AVX2_INLINE static void sum_rows(float *y, int add, const float *base, const int
 }
 
 /* The AVX2 task takes its sequence's query rows BR at a time: each row's softmax P and dS are
- * computed into scratch (zero past the row's position), dq is one register-held sum over the
- * positions, and each position's dk/dv row is loaded and stored once per block of rows. */
+ * computed into scratch, dq is one register-held sum over the positions, and each position's dk/dv
+ * row is loaded and stored once per block, taking the block's rows that read it in order (the same
+ * FMAs in the same order as one row at a time). */
 
 AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *sc) {
     int D = b->D, kvh = h / (b->Hq / b->Hkv);
@@ -168,11 +169,14 @@ AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *sc) {
             }
             sum_rows(b->dq + at, 0, b->k, ix, NULL, dSi, 1, p + 1, D);
         }
-        for (int i = 0; i < nb; i++)
-            for (int64_t j = ps[i] + 1; j <= pmax; j++) P[i * L + j] = dS[i * L + j] = 0.0f;
-        for (int64_t j = 0; j <= pmax; j++) {
-            sum_rows(dk + j * D, 1, NULL, NULL, qs, dS + j, L, nb, D);
-            sum_rows(dv + j * D, 1, NULL, NULL, gs, P + j, L, nb, D);
+        for (int64_t j = 0; j <= pmax; j++) { /* the block's rows that read position j, in order */
+            const float *qa[BR], *ga[BR];
+            float ca[BR], pa[BR];
+            int na = 0;
+            for (int i = 0; i < nb; i++)
+                if (ps[i] >= j) qa[na] = qs[i], ga[na] = gs[i], ca[na] = dS[i * L + j], pa[na++] = P[i * L + j];
+            sum_rows(dk + j * D, 1, NULL, NULL, qa, ca, 1, na, D);
+            sum_rows(dv + j * D, 1, NULL, NULL, ga, pa, 1, na, D);
         }
     }
 }

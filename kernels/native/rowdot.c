@@ -232,6 +232,7 @@ int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, cons
     first[0] = 0;
     for (int s = 0; s < nw; s++) first[s + 1] = first[s] + ceil_div(ns[s], NBLOCK) * mtasks;
     int64_t tasks = first[nw];
+    if (tasks == 0) return 0;
     int vector = !force_portable && rowdot_vector_path();
     if (threads < 1) threads = 1;
     if (tasks < threads) threads = (int)tasks;

@@ -94,7 +94,7 @@ def swiglu_backward(gate: Tensor, up: Tensor, grad: Tensor, *, threads: int | No
                          f"{tuple(grad.shape)} differ")
     width = gate.shape[-1]
     g, u, d = _rows(gate, width), _rows(up, width), _rows(grad, width)
-    d_gate, d_up = torch.empty(*gate.shape, dtype=gate.dtype), torch.empty(up.shape, dtype=up.dtype)
+    d_gate, d_up = torch.empty(*gate.shape, dtype=gate.dtype), torch.empty(*up.shape, dtype=up.dtype)
     if g.shape[0]:
         library().swiglu_backward_rows(g.data_ptr(), int(g.dtype == _BF16), g.stride(0), u.data_ptr(),
                                        int(u.dtype == _BF16), u.stride(0), d.data_ptr(), int(d.dtype == _BF16),

@@ -56,8 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         b.add_argument("--new-tokens", type=int, help="generated tokens per sequence (default 128; --quick 16)")
         b.add_argument("--repeats", type=int, help="timed rollout runs after a warm-up, median reported (default 1)")
         b.add_argument("--rounds", type=int, help="side-by-side measurements alternate the engines (roofline: "
-                       "the bandwidth and the batch-1 decode) this many times; medians are reported (default 1; "
-                       "3 on a noisy machine)")
+                       "the bandwidth and the batch-1 decode) this many times; medians are reported (roofline: the "
+                       "median round) (default 1; 3 on a noisy machine)")
         b.set_defaults(func=run_suite)
     for add in _OTHER_BENCHES:
         add(benches)

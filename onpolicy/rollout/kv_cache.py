@@ -33,6 +33,7 @@ class PagedContext:
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> KVSource:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k)  # a block copy per row, cheaper than []=
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v)
+        # a block copy per row, cheaper than []= (which also cast; .to is free when the dtypes agree)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v.to(vc.dtype))
         return PagedKV(kc, vc, self.page_table, zero_row=self.cache.zero_row)

@@ -188,6 +188,21 @@ def test_native_backward_matches_exact_attention_and_is_deterministic(dtype, d) 
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
 
 
+def test_a_rows_non_finite_gradient_reaches_only_the_positions_it_read() -> None:
+    q, k, v, ctx = _packed([6], 2, 1, 16, torch.float32, 3)
+    kv = ctx.kv(0, k, v)
+    seq, pos = na._row_layout(ctx.batch)
+    k_rows, v_rows = (t.reshape(-1, 16) for t in kv.flat())
+    idx = na._index(kv, ctx.batch, 1, k_rows.shape[0], seq, pos)
+    out = na.attention_rows(q, k_rows, v_rows, idx, seq, pos, 0.25, 8, checked=True)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    grad[0] = math.inf  # row 0 reads position 0 only; rows 1..5 share its block in the kernel
+    _, dk, dv = na.attention_backward(q, k_rows, v_rows, idx, seq, pos, out, grad, 0.25)
+    assert not torch.isfinite(dv[0]).all() and torch.isfinite(dk[1:]).all() and torch.isfinite(dv[1:]).all()
+    with pytest.raises(ValueError, match="int64 and contiguous"):
+        na.attention_backward(q, k_rows, v_rows, idx.int(), seq, pos, out, grad, 0.25)
+
+
 def test_a_source_naming_rows_outside_its_storage_is_an_error() -> None:
     q, _, _, _ = _packed([4], 2, 1, 8, torch.float32, 0)
     pages = torch.zeros(2, 4, 1, 8)
