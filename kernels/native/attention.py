@@ -94,11 +94,11 @@ def attention_rows(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: 
 
 def attention_backward(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, seq: Tensor, pos: Tensor,
                        out: Tensor, grad: Tensor, scale: float, *, threads: int | None = None,
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       checked: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient of :func:`attention_rows` (``out`` its output, ``grad`` the output's gradient):
     fp32 ``(dq [N, Hq, D], dk, dv [R, D])`` in one native call (``attention_backward.c``: one task per
-    sequence and query head, deterministic). ``idx``/``seq``/``pos`` are the forward's (int64,
-    range-checked here again: the kernel follows them into memory)."""
+    sequence and query head, deterministic). ``idx``/``seq``/``pos`` must be int64 and contiguous;
+    their ranges are checked unless ``checked`` (the forward's, already checked)."""
     n, hq, d = q.shape
     s, hkv, length = idx.shape
     if (grad.shape != q.shape or out.shape != q.shape or k_rows.shape != v_rows.shape or k_rows.shape[-1] != d
@@ -106,7 +106,7 @@ def attention_backward(q: Tensor, k_rows: Tensor, v_rows: Tensor, idx: Tensor, s
         raise ValueError(f"attention backward: q {tuple(q.shape)}, grad {tuple(grad.shape)}, out {tuple(out.shape)}, "
                          f"k {tuple(k_rows.shape)}, v {tuple(v_rows.shape)} and {hkv} KV heads do not fit together")
     _require_index(idx, seq, pos)
-    if n:
+    if n and not checked:
         _check_rows(idx, seq, pos, k_rows.shape[0])
     qf, gf, of = (t.detach().float().contiguous() for t in (q, grad, out))
     kf, vf = (t.detach().float().contiguous() for t in (k_rows, v_rows))
@@ -148,7 +148,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k_rows, v_rows, idx, seq, pos, out = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k_rows, v_rows, idx, seq, pos, out, grad, ctx.scale)
+        dq, dk, dv = attention_backward(q, k_rows, v_rows, idx, seq, pos, out, grad, ctx.scale, checked=True)
         need = ctx.needs_input_grad
         return (dq.to(q.dtype) if need[0] else None, dk.to(k_rows.dtype) if need[1] else None,
                 dv.to(v_rows.dtype) if need[2] else None, None, None, None, None, None)

@@ -5,7 +5,7 @@
  * query row n (position p = pos[n]) of s and head h (KV head h / (Hq / Hkv)), over positions
  * j = 0..p of storage rows idx[s, kvh, j]:
  *
- *   P_j   = softmax_j(dot(q, k_j) * scale)       (recomputed; libm expf, the AVX2 task exp_)
+ *   P_j   = softmax_j(dot(q, k_j) * scale)       (recomputed, with the kernels' exp_)
  *   delta = dot(grad, out)                       (= sum_j P_j dot(grad, v_j))
  *   dS_j  = P_j * (dot(grad, v_j) - delta) * scale
  *   dq    = sum_j dS_j k_j                       -> dq [N, Hq, D]
@@ -33,50 +33,50 @@ typedef struct {
     float *dq, *dk, *dv;
 } bwd;
 
-#define BACKWARD_TASK(NAME, ATTR)                                                                  \
-    ATTR static float NAME##_dot(const float *a, const float *b, int d) {                          \
-        float acc[LANES] = {0};                                                                    \
-        int k = 0;                                                                                 \
-        for (; k + LANES <= d; k += LANES)                                                         \
-            for (int j = 0; j < LANES; j++) acc[j] += a[k + j] * b[k + j];                         \
-        for (; k < d; k++) acc[k % LANES] += a[k] * b[k];                                          \
-        return lane_sum(acc);                                                                      \
-    }                                                                                              \
-    ATTR static void NAME##_axpy(float *y, float a, const float *x, int d) {                       \
-        for (int k = 0; k < d; k++) y[k] += a * x[k];                                              \
-    }                                                                                              \
-    ATTR static void NAME(const bwd *b, int64_t s, int h, float *sc) {                              \
-        int D = b->D, kvh = h / (b->Hq / b->Hkv);                                                  \
-        int64_t len = b->lens[s];                                                                  \
-        float *dk = b->dk + ((s * b->Hq + h) * b->L) * D, *dv = b->dv + ((s * b->Hq + h) * b->L) * D; \
-        memset(dk, 0, sizeof(float) * (size_t)(len * D));                                          \
-        memset(dv, 0, sizeof(float) * (size_t)(len * D));                                          \
-        const int64_t *ix = b->idx + (s * b->Hkv + kvh) * b->L;                                    \
-        for (int64_t r = b->starts[s]; r < b->starts[s + 1]; r++) {                                \
-            int64_t n = b->order[r], p = b->pos[n], at = (n * b->Hq + h) * D;                      \
-            const float *q = b->q + at, *g = b->grad + at;                                         \
-            float *dq = b->dq + at, m = -INFINITY, l = 0.0f;                                       \
-            for (int64_t j = 0; j <= p; j++) {                                                     \
-                sc[j] = NAME##_dot(q, b->k + ix[j] * D, D) * b->scale;                             \
-                m = sc[j] > m ? sc[j] : m;                                                         \
-            }                                                                                      \
-            for (int64_t j = 0; j <= p; j++) {                                                     \
-                sc[j] = expf(sc[j] - m);                                                           \
-                l += sc[j];                                                                        \
-            }                                                                                      \
-            float inv = 1.0f / l, delta = NAME##_dot(g, b->out + at, D);                           \
-            memset(dq, 0, sizeof(float) * (size_t)D);                                              \
-            for (int64_t j = 0; j <= p; j++) {                                                     \
-                const float *kj = b->k + ix[j] * D, *vj = b->v + ix[j] * D;                        \
-                float pj = sc[j] * inv, ds = pj * (NAME##_dot(g, vj, D) - delta) * b->scale;       \
-                NAME##_axpy(dq, ds, kj, D);                                                        \
-                NAME##_axpy(dk + j * D, ds, q, D);                                                 \
-                NAME##_axpy(dv + j * D, pj, g, D);                                                 \
-            }                                                                                      \
-        }                                                                                          \
-    }
+/* portable task: dot products in 8 lanes and rowdot's lane tree, one row at a time */
+static float dot_lanes(const float *a, const float *b, int d) {
+    float acc[LANES] = {0};
+    int k = 0;
+    for (; k + LANES <= d; k += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[k + j] * b[k + j];
+    for (; k < d; k++) acc[k % LANES] += a[k] * b[k];
+    return lane_sum(acc);
+}
 
-BACKWARD_TASK(task_portable, )
+static void axpy(float *y, float a, const float *x, int d) {
+    for (int k = 0; k < d; k++) y[k] += a * x[k];
+}
+
+static void task_portable(const bwd *b, int64_t s, int h, float *sc) {
+    int D = b->D, kvh = h / (b->Hq / b->Hkv);
+    int64_t len = b->lens[s];
+    float *dk = b->dk + ((s * b->Hq + h) * b->L) * D, *dv = b->dv + ((s * b->Hq + h) * b->L) * D;
+    memset(dk, 0, sizeof(float) * (size_t)(len * D));
+    memset(dv, 0, sizeof(float) * (size_t)(len * D));
+    const int64_t *ix = b->idx + (s * b->Hkv + kvh) * b->L;
+    for (int64_t r = b->starts[s]; r < b->starts[s + 1]; r++) {
+        int64_t n = b->order[r], p = b->pos[n], at = (n * b->Hq + h) * D;
+        const float *q = b->q + at, *g = b->grad + at;
+        float *dq = b->dq + at, m = -INFINITY, l = 0.0f;
+        for (int64_t j = 0; j <= p; j++) {
+            sc[j] = dot_lanes(q, b->k + ix[j] * D, D) * b->scale;
+            m = sc[j] > m ? sc[j] : m;
+        }
+        for (int64_t j = 0; j <= p; j++) {
+            sc[j] = exp_portable(sc[j] - m);
+            l += sc[j];
+        }
+        float inv = 1.0f / l, delta = dot_lanes(g, b->out + at, D);
+        memset(dq, 0, sizeof(float) * (size_t)D);
+        for (int64_t j = 0; j <= p; j++) {
+            const float *kj = b->k + ix[j] * D, *vj = b->v + ix[j] * D;
+            float pj = sc[j] * inv, ds = pj * (dot_lanes(g, vj, D) - delta) * b->scale;
+            axpy(dq, ds, kj, D);
+            axpy(dk + j * D, ds, q, D);
+            axpy(dv + j * D, pj, g, D);
+        }
+    }
+}
 
 #ifdef NATIVE_X86
 /* The AVX2 task for D a multiple of 8: the same steps, with the dot products of four positions at a
