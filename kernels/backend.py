@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from .config import KernelConfig
-from .kv import AttentionBatch, KVSource
+from .kv import AttentionBatch, KVSource, PagedCacheWrite
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,53 @@ class RowWeight(Protocol):
         """``[chunks, Out, K_local / chunks]`` contiguous: chunk ``i`` is columns
         ``[i*Kc, (i+1)*Kc)`` of ``weight``, laid out the same whatever the TP degree."""
         ...
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One dense decoder layer's parameters as :meth:`Backend.decoder_stack` reads them (the model's
+    ``DecoderLayer`` with an MLP, unsharded). Absent biases and q/k norms are None."""
+
+    input_norm: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    q_bias: Tensor | None
+    k_bias: Tensor | None
+    v_bias: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    o: RowWeight
+    o_bias: Tensor | None
+    post_norm: Tensor
+    gate: Tensor
+    up: Tensor
+    down: RowWeight
+
+
+@dataclass(frozen=True)
+class DenseStack:
+    """Every decoder layer of a dense, unsharded model, and the sizes they share."""
+
+    layers: tuple[DenseLayer, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    """Every RMSNorm's epsilon."""
+    scale: float
+    """Attention's score scale."""
+    cache: dict[object, object] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """A backend's own state derived from these layers (e.g. their weights' addresses), keyed by it."""
+
+    def tensors(self) -> list[Tensor]:
+        """Every parameter tensor of every layer (a row-parallel weight as its ``weight``), in order
+        (the same objects for the stack's lifetime: listed once)."""
+        out = self.cache.get("tensors")
+        if out is None:
+            out = self.cache["tensors"] = [t if isinstance(t, Tensor) else t.weight for layer in self.layers
+                                           for f in fields(layer) if (t := getattr(layer, f.name)) is not None]
+        return out  # type: ignore[return-value]
 
 
 def chunk_major(weight: Tensor, chunks: int) -> Tensor:
@@ -156,6 +203,15 @@ class Backend(ABC):
         kc = chunks.shape[2]
         return torch.stack([self.linear(x[:, i * kc:(i + 1) * kc].contiguous(), chunks[i])
                             for i in range(chunks.shape[0])])
+
+    def decoder_stack(self, x: Tensor, stack: DenseStack, cos: Tensor, sin: Tensor, cache: PagedCacheWrite,
+                      batch: AttentionBatch) -> Tensor | None:
+        """Every layer of ``stack`` over the packed rows ``x [N, H]`` in one call, without autograd,
+        writing the new K/V rows through ``cache``: the residual stream after the last layer (before
+        the final norm), with the bits of the layers run one operator at a time. None when this
+        backend has no such call or not for these operands; the model then runs the layers one
+        operator at a time (this default)."""
+        return None
 
     @abstractmethod
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -137,6 +137,31 @@ class PagedKV:
 KVSource = ContiguousKV | PagedKV
 
 
+@dataclass(frozen=True)
+class PagedCacheWrite:
+    """One forward pass's view of a paged cache of every layer, ``k``/``v [layers, P, page_size, Hkv,
+    D]``: new row ``n`` goes to flat slot ``slots[n]`` (of the ``[P * page_size, Hkv, D]`` view of a
+    layer) and attention reads layer ``i`` as ``layer(i)``."""
+
+    k: Tensor
+    v: Tensor
+    page_table: Tensor  # [S, max_pages] int64
+    slots: Tensor  # [N] int64
+    zero_row: int | None = None
+
+    def layer(self, i: int) -> PagedKV:
+        return PagedKV(self.k[i], self.v[i], self.page_table, zero_row=self.zero_row)
+
+    def write(self, i: int, k: Tensor, v: Tensor) -> PagedKV:
+        """Writes the new rows' ``k``/``v [N, Hkv, D]`` into layer ``i`` (cast to the cache's dtype)
+        and returns the layer as attention reads it."""
+        kc, vc = self.k[i], self.v[i]
+        # a block copy per row, cheaper than []= (which also cast; .to is free when the dtypes agree)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v.to(vc.dtype))
+        return PagedKV(kc, vc, self.page_table, zero_row=self.zero_row)
+
+
 def zero_row(kv: KVSource) -> int | None:
     """The source's all-zero flat row (``PagedKV.zero_row``), if it has one."""
     return kv.zero_row if isinstance(kv, PagedKV) else None

@@ -8,6 +8,8 @@
   its own sequence's K/V rows through an index, so paged decode, prefill and training share it;
   its gradient (``attention_backward.c``) in one call too.
 - RMSNorm, RoPE and SwiGLU (``rowwise.c``, wrapped by :mod:`.rowwise`), one call each.
+- every dense decoder layer of a forward pass in one call (``stack.c``, wrapped by :mod:`.stack`),
+  chaining the kernels above with the per-operator path's bits.
 - ``native.h``: what they share (bf16 conversions, the dot product's lanes and lane tree, ``exp_``).
 
 The C sources are compiled together on first use with the system C compiler (``$CC``, default
@@ -37,7 +39,7 @@ from torch import Tensor
 from onpolicy.home import onpolicy_home
 
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("native.h", "rowdot.c", "attention.c", "attention_backward.c", "rowwise.c"))
+                for n in ("native.h", "rowdot.c", "attention.c", "attention_backward.c", "rowwise.c", "stack.c"))
 #: No -ffast-math, no FP contraction: the source's operations are the arithmetic.
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math")
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -109,6 +111,10 @@ def library() -> ctypes.CDLL:
     lib.rowdot_chunked.restype = None
     lib.rowdot_group.argtypes = [_PTR, _INT, _I64, _I64, _INT, _PTR, _INT, _I64, _INT, _INT]
     lib.rowdot_group.restype = _INT
+    lib.rowdot_pack_bf16.argtypes = [_PTR, _I64, _I64, _INT, _I64, _PTR]
+    lib.rowdot_pack_bf16.restype = None
+    lib.rowdot_packed.argtypes = [_PTR, _INT, _I64, _INT, _I64, _INT, _PTR, _INT, _I64, _INT]
+    lib.rowdot_packed.restype = _INT
     lib.rowdot_vector_path.argtypes = []
     lib.rowdot_vector_path.restype = _INT
     lib.attention_rows.argtypes = [_PTR, _INT, _I64, _I64, _PTR, _PTR, _INT, _I64, _PTR, _I64, _PTR, _PTR, _I64,
@@ -213,6 +219,50 @@ def rowdot_group(x: Tensor, weights: Sequence[Tensor], *, portable: bool = False
                                     threads or torch.get_num_threads(), int(portable))
         if rc != 0:
             raise ValueError(f"rowdot_group: the kernel refused a group of {n} weights")
+    return ys
+
+
+def packable(weight: Tensor, chunks: int = 1) -> bool:
+    """Whether :func:`pack_bf16` takes ``weight`` with ``chunks`` chunks: a bf16 CPU matrix whose
+    chunks are a multiple of 16 columns, on a CPU that runs the vector path (the packed kernel's only
+    path)."""
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_cpu and chunks >= 1
+            and weight.shape[1] % (16 * chunks) == 0 and weight.stride(1) == 1 and vector_path())
+
+
+def pack_bf16(weight: Tensor, chunks: int = 1) -> Tensor:
+    """``weight [N, chunks*K]`` (bf16) pair-packed for :func:`rowdot_packed` (``rowdot.c`` states the
+    layout): a fresh int32 tensor of ``ceil(N / 8) * 8 * chunks * K / 2`` words."""
+    if not packable(weight, chunks):
+        raise ValueError(f"pack_bf16 takes a bf16 CPU [N, K] weight with K a multiple of 16 * chunks on an "
+                         f"AVX2 CPU, got {weight.dtype} {tuple(weight.shape)} with {chunks} chunks")
+    n, k = weight.shape
+    out = torch.empty(-(-n // 8) * 8 * k // 2, dtype=torch.int32)
+    library().rowdot_pack_bf16(weight.data_ptr(), weight.stride(0), n, chunks, k // chunks, out.data_ptr())
+    return out
+
+
+def rowdot_packed(x: Tensor, packed: Sequence[tuple[Tensor, int]], *, chunks: int = 1, round_bf16: bool = False,
+                  threads: int | None = None) -> list[Tensor]:
+    """The folded :func:`rowdot_chunks` of ``x [M, chunks*K]`` with each pair-packed weight
+    (``(pack_bf16(w, chunks), rows of w)``), in one call: fp32 ``[M, rows]`` each, the same bits."""
+    x = _operand(x, "x")
+    if not 1 <= len(packed) <= GROUP_MAX:
+        raise ValueError(f"rowdot_packed takes 1 to {GROUP_MAX} weights, got {len(packed)}")
+    m, k = x.shape
+    if chunks < 1 or k % (16 * chunks):
+        raise ValueError(f"rowdot_packed: x has {k} columns, not {chunks} chunks of a multiple of 16")
+    for w, n in packed:
+        if w.dtype != torch.int32 or not w.is_contiguous() or w.numel() != -(-n // 8) * 8 * k // 2:
+            raise ValueError(f"rowdot_packed: a packed weight of {n} rows and {k} columns has "
+                             f"{-(-n // 8) * 8 * k // 2} int32 words, got {w.dtype} {tuple(w.shape)}")
+    ys = [torch.empty(m, n, dtype=torch.float32) for _, n in packed]
+    meta = array("q", [*(w.data_ptr() for w, _ in packed), *(n for _, n in packed), *(y.data_ptr() for y in ys)])
+    rc = library().rowdot_packed(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), chunks, k // chunks,
+                                 len(packed), meta.buffer_info()[0], int(round_bf16), m,
+                                 threads or torch.get_num_threads())
+    if rc != 0:
+        raise ValueError("rowdot_packed: the kernel refused (it needs the AVX2 path)")
     return ys
 
 

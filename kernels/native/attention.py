@@ -175,6 +175,16 @@ def _index(kv: KVSource, batch: AttentionBatch, hkv: int, storage_rows: int, seq
     return idx
 
 
+def row_index(kv: KVSource, batch: AttentionBatch, hkv: int, storage_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(idx, seq, pos)`` of :func:`attention_rows` for ``batch`` over ``kv`` (``storage_rows`` rows of
+    head_dim), range-checked; computed once per batch and K/V layout (every layer shares them)."""
+    seq, pos = batch.memo("native_rows", lambda: _row_layout(batch))
+    _, idx = batch.memo(("native_index", hkv, layout_key(kv)),
+                        lambda: (kv.page_table if hasattr(kv, "page_table") else kv.cu_seqlens,
+                                 _index(kv, batch, hkv, storage_rows, seq, pos)))
+    return idx, seq, pos
+
+
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, kv_tile: int) -> Tensor:
     """``Backend.attention`` on the native tile routine: packed ``q [N, Hq, D]`` -> ``[N, Hq, D]`` in
     ``q``'s dtype. The row layout and the K/V index are computed once per batch (every layer shares
@@ -188,10 +198,7 @@ def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, k
     k_rows, v_rows = _kv_rows(k, "k"), _kv_rows(v, "v")
     if k_rows.shape != v_rows.shape:
         raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    seq, pos = batch.memo("native_rows", lambda: _row_layout(batch))
-    _, idx = batch.memo(("native_index", hkv, layout_key(kv)),
-                        lambda: (kv.page_table if hasattr(kv, "page_table") else kv.cu_seqlens,
-                                 _index(kv, batch, hkv, k_rows.shape[0], seq, pos)))
+    idx, seq, pos = row_index(kv, batch, hkv, k_rows.shape[0])
     if torch.is_grad_enabled() and (q.requires_grad or k_rows.requires_grad or v_rows.requires_grad):
         out = _Attention.apply(q, k_rows, v_rows, idx, seq, pos, scale, kv_tile)
     else:

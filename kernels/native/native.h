@@ -1,5 +1,6 @@
-/* Helpers shared by the native kernels (rowdot.c, attention.c): bf16 widening and rounding, the
- * 8-lane blocks and lane tree of rowdot's dot product, the AVX2 loads, and CPU feature detection.
+/* Helpers shared by the native kernels: bf16 widening and rounding, the 8-lane blocks and lane tree
+ * of rowdot's dot product, the AVX2 loads, CPU feature detection, and the kernels' entry points
+ * (stack.c chains them).
  * Every function here is a fixed sequence of IEEE operations; the vector and portable forms of one
  * operation give the same bits. exp_ is the exponential every native kernel uses. */
 #ifndef ONPOLICY_NATIVE_H
@@ -32,6 +33,23 @@ static inline float round_bf16(float f) {
         u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* element i of an fp32 or bf16 array, widened to fp32 */
+static inline float load1(const void *p, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* stores v as element i of an fp32 or bf16 array (rounded to nearest even for bf16) */
+static inline void store1(void *p, int is_bf16, int64_t i, float v) {
+    if (is_bf16) {
+        uint32_t u;
+        v = round_bf16(v);
+        memcpy(&u, &v, sizeof u);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = v;
+    }
 }
 
 /* lanes of one 8-wide block starting at element k of p (n <= 8 valid, rest zero) */
@@ -131,5 +149,25 @@ static inline int native_vector_path(void) {
     return 0;
 #endif
 }
+
+/* The kernels' entry points (rowdot.c, attention.c, rowwise.c), for stack.c, which chains them. */
+void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w_bf16, int64_t ldw,
+                    int64_t wchunk, int chunks, int64_t K, float *y, int64_t ldy, int64_t ychunk,
+                    int round_partials_bf16, int64_t M, int64_t N, int threads, int force_portable);
+int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, const int64_t *meta, int w_bf16,
+                 int64_t M, int threads, int force_portable);
+void rowdot_pack_bf16(const uint16_t *w, int64_t ldw, int64_t N, int chunks, int64_t K, uint32_t *out);
+int rowdot_packed(const void *x, int x_bf16, int64_t ldx, int chunks, int64_t K, int nw, const int64_t *meta,
+                  int round_partials, int64_t M, int threads);
+int attention_rows(const void *q, int q_bf16, int64_t q_row, int64_t q_head, const void *k, const void *v,
+                   int kv_bf16, int64_t kv_row, const int64_t *idx, int64_t L, const int64_t *seq,
+                   const int64_t *pos, int64_t N, int Hq, int Hkv, int D, int tile, float scale, float *out,
+                   int threads, int force_portable);
+void rmsnorm_rows(const void *x, int xb, int64_t ldx, const void *w, int wb, void *out, int ob, int64_t M,
+                  int64_t H, float eps, int threads, int force_portable);
+void rope_rows(const void *x, int xb, int64_t ldx, int64_t ldh, const float *cos_, const float *sin_, void *out,
+               int64_t N, int64_t Hh, int64_t D, int threads);
+void swiglu_rows(const void *gate, int gb, int64_t ldg, const void *up, int ub, int64_t ldu, void *out, int64_t M,
+                 int64_t I, int threads, int force_portable);
 
 #endif

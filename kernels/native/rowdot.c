@@ -80,6 +80,12 @@ static void dot_portable(const char *x, int xb, const char *w, int wb, float *y,
         for (int r = 0; r < R; r++)                                                                \
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                           \
         for (int64_t k = 0; k < kfull; k += LANES) {                                               \
+            if (R == 1) { /* x first, each w vector used as it is loaded: no accumulator spills */  \
+                __m256 xv = load8(x, xb, k);                                                       \
+                for (int c = 0; c < C; c++)                                                        \
+                    acc[0][c] = _mm256_fmadd_ps(xv, load8(w + c * g->wrow, wb, k), acc[0][c]);     \
+                continue;                                                                          \
+            }                                                                                      \
             __m256 wv[C];                                                                          \
             for (int c = 0; c < C; c++) wv[c] = load8(w + c * g->wrow, wb, k);                     \
             for (int r = 0; r < R; r++) {                                                          \
@@ -181,6 +187,27 @@ static void dot_block(const char *x, int xb, const char *w, int wb, float *y, co
 
 static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* A group's task list: weight s (ns[s] rows) gives ceil(ns[s] / rows_per_task) * mult tasks,
+ * first[s] .. first[s + 1] - 1; returns the total. */
+static int64_t group_tasks(int nw, const int64_t *ns, int64_t rows_per_task, int64_t mult, int64_t *first) {
+    first[0] = 0;
+    for (int s = 0; s < nw; s++) first[s + 1] = first[s] + ceil_div(ns[s], rows_per_task) * mult;
+    return first[nw];
+}
+
+/* the weight task t belongs to */
+static inline int task_weight(const int64_t *first, int64_t t) {
+    int s = 0;
+    while (t >= first[s + 1]) s++;
+    return s;
+}
+
+/* threads for `tasks` tasks: at least 1, at most one per task */
+static inline int team(int threads, int64_t tasks) {
+    if (threads < 1) threads = 1;
+    return tasks < threads ? (int)tasks : threads;
+}
+
 /* x [M, chunks*K] (row stride ldx; chunk c starts K*c elements into a row), w: chunk c, row n at
  * element c*wchunk + n*ldw. y: folded [M, N] (ychunk 0) or partials, partial c of element (m, n)
  * at c*ychunk + m*ldy + n. x_bf16 / w_bf16: 1 when that operand is bf16. threads: OpenMP threads
@@ -199,8 +226,7 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
     int vector = !force_portable && rowdot_vector_path();
     int64_t ntasks = ceil_div(N, NBLOCK), mtasks = ceil_div(M, MBLOCK);
     int64_t tasks = ntasks * mtasks;
-    if (threads < 1) threads = 1;
-    if (tasks < threads) threads = (int)tasks;
+    threads = team(threads, tasks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t mt = t / ntasks, nt = t % ntasks;
@@ -223,23 +249,20 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
  * gives the threads the weights' rows as one list of tasks. At most ROWDOT_GROUP weights; returns
  * -1 (computing nothing) for more. */
 #define ROWDOT_GROUP 8
+
 int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, const int64_t *meta, int w_bf16,
                  int64_t M, int threads, int force_portable) {
     if (nw < 0 || nw > ROWDOT_GROUP) return -1;
     const int64_t *ldw = meta + nw, *ns = meta + 2 * nw;
     size_t xs = x_bf16 ? 2 : 4, wsz = w_bf16 ? 2 : 4;
     int64_t mtasks = ceil_div(M, MBLOCK), first[ROWDOT_GROUP + 1];
-    first[0] = 0;
-    for (int s = 0; s < nw; s++) first[s + 1] = first[s] + ceil_div(ns[s], NBLOCK) * mtasks;
-    int64_t tasks = first[nw];
+    int64_t tasks = group_tasks(nw, ns, NBLOCK, mtasks, first);
     if (tasks == 0) return 0;
     int vector = !force_portable && rowdot_vector_path();
-    if (threads < 1) threads = 1;
-    if (tasks < threads) threads = (int)tasks;
+    threads = team(threads, tasks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
-        int s = 0;
-        while (t >= first[s + 1]) s++;
+        int s = task_weight(first, t);
         int64_t ntasks = ceil_div(ns[s], NBLOCK), local = t - first[s];
         int64_t mt = local / ntasks, nt = local % ntasks;
         int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < ns[s] ? n0 + NBLOCK : ns[s];
@@ -250,4 +273,112 @@ int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, cons
         dot_block((const char *)x, x_bf16, w, w_bf16, y, &g, vector, m0, m1, n0, n1);
     }
     return 0;
+}
+
+/* Pair-packed bf16 weights, for rows of x few enough to share every weight tile (decode).
+ *
+ * Layout of a packed [N, chunks*K] bf16 weight (K % 16 == 0; N padded with zero rows to a multiple
+ * of 8): tiles of 8 rows; in a tile, chunk by chunk, pair p of blocks (elements k = 16p .. 16p+15
+ * of the chunk), row by row, 8 uint32 words, word j = w[k + j] | w[k + 8 + j] << 16. A tile's bytes
+ * are contiguous (one sequential stream), and one 256-bit load holds two blocks of a row whose fp32
+ * lanes come out in rowdot's lane order with one shift (block 2p) and one mask (block 2p + 1).
+ * Each row's lane j accumulates block 2p then block 2p + 1 with the same FMAs in the same order as
+ * rowdot, then the same lane tree; partials are rounded and folded as rowdot_chunked does: the
+ * same bits. AVX2 only (the caller packs only where rowdot_vector_path() holds). */
+#define PACK_TILE 8
+#define PACKED_TASK 12 /* tiles per parallel task (96 rows, as NBLOCK) */
+
+/* packs rows [0, N) of w (row stride ldw elements) into out (ceil(N / 8) tiles, zeroed padding) */
+void rowdot_pack_bf16(const uint16_t *w, int64_t ldw, int64_t N, int chunks, int64_t K, uint32_t *out) {
+    int64_t pairs = K / 16, tiles = ceil_div(N, PACK_TILE);
+    for (int64_t t = 0; t < tiles; t++)
+        for (int c = 0; c < chunks; c++)
+            for (int64_t p = 0; p < pairs; p++)
+                for (int r = 0; r < PACK_TILE; r++) {
+                    int64_t n = t * PACK_TILE + r;
+                    uint32_t *o = out + (((t * chunks + c) * pairs + p) * PACK_TILE + r) * LANES;
+                    const uint16_t *src = w + n * ldw + c * K + p * 16;
+                    for (int j = 0; j < LANES; j++)
+                        o[j] = n < N ? (uint32_t)src[j] | (uint32_t)src[j + LANES] << 16 : 0u;
+                }
+}
+
+#ifdef NATIVE_X86
+/* rows m0..m1 of x against packed tile t: y[m, t*8 + r] for the tile's valid rows */
+AVX2_INLINE static void packed_tile(const char *x, int xb, size_t xrow, const uint32_t *tile, int chunks,
+                                    int64_t K, int rows, int round_partials, float *y, int64_t ldy, int64_t m0,
+                                    int64_t m1) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    int64_t pairs = K / 16;
+    for (int64_t m = m0; m < m1; m++) {
+        const char *xm = x + m * xrow;
+        float total[PACK_TILE] = {0};
+        for (int c = 0; c < chunks; c++) {
+            const uint32_t *wc = tile + (size_t)c * pairs * PACK_TILE * LANES;
+            __m256 acc[PACK_TILE];
+            for (int r = 0; r < PACK_TILE; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t p = 0; p < pairs; p++) {
+                int64_t k = c * K + 16 * p;
+                __m256 xa = load8(xm, xb, k), xc = load8(xm, xb, k + LANES);
+                const uint32_t *wp = wc + p * PACK_TILE * LANES;
+                for (int r = 0; r < PACK_TILE; r++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wp + r * LANES));
+                    acc[r] = _mm256_fmadd_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(xc, _mm256_castsi256_ps(_mm256_and_si256(v, hi)), acc[r]);
+                }
+            }
+            for (int r = 0; r < PACK_TILE; r++) {
+                float part = hsum(acc[r]);
+                if (round_partials) part = round_bf16(part);
+                total[r] = c ? total[r] + part : part;
+            }
+        }
+        for (int r = 0; r < rows; r++) y[m * ldy + r] = total[r];
+    }
+}
+
+#define PACKED_X(XB)                                                                               \
+    AVX2 static void packed_tile_##XB(const char *x, size_t xrow, const uint32_t *tile, int chunks,  \
+                                      int64_t K, int rows, int round_partials, float *y, int64_t ldy, \
+                                      int64_t m0, int64_t m1) {                                    \
+        packed_tile(x, XB, xrow, tile, chunks, K, rows, round_partials, y, ldy, m0, m1);           \
+    }
+PACKED_X(0)
+PACKED_X(1)
+#endif
+
+/* y_s [M, ns[s]] (fp32, row stride ns[s]) = x [M, chunks*K] against packed weight s (bf16), with
+ * rowdot_chunked's bits (chunks folded; each partial rounded to bf16 when round_partials). meta holds
+ * 3 * nw int64: the packed weights' addresses, their row counts ns and the outputs' addresses. The
+ * threads share every weight's tasks (12 tiles each) as one list. Returns -1 (computing nothing)
+ * without the AVX2 path or for more than ROWDOT_GROUP weights. */
+int rowdot_packed(const void *x, int x_bf16, int64_t ldx, int chunks, int64_t K, int nw, const int64_t *meta,
+                  int round_partials, int64_t M, int threads) {
+#ifdef NATIVE_X86
+    if (nw < 0 || nw > ROWDOT_GROUP || K % 16 || !rowdot_vector_path()) return -1;
+    const int64_t *ns = meta + nw;
+    int64_t first[ROWDOT_GROUP + 1];
+    int64_t tasks = group_tasks(nw, ns, PACK_TILE * PACKED_TASK, 1, first);
+    if (tasks == 0 || M == 0) return 0;
+    size_t xrow = (size_t)ldx * (x_bf16 ? 2 : 4), tile_words = (size_t)chunks * K / 2 * PACK_TILE;
+    threads = team(threads, tasks);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int s = task_weight(first, t);
+        int64_t n = ns[s], tiles = ceil_div(n, PACK_TILE), t0 = (t - first[s]) * PACKED_TASK;
+        int64_t t1 = t0 + PACKED_TASK < tiles ? t0 + PACKED_TASK : tiles;
+        const uint32_t *w = (const uint32_t *)(intptr_t)meta[s];
+        float *y = (float *)(intptr_t)meta[2 * nw + s];
+        for (int64_t i = t0; i < t1; i++) {
+            int rows = n - i * PACK_TILE < PACK_TILE ? (int)(n - i * PACK_TILE) : PACK_TILE;
+            (x_bf16 ? packed_tile_1 : packed_tile_0)((const char *)x, xrow, w + i * tile_words, chunks, K, rows,
+                                                      round_partials, y + i * PACK_TILE, n, 0, M);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)x_bf16, (void)ldx, (void)chunks, (void)K, (void)nw, (void)meta, (void)round_partials, (void)M,
+        (void)threads;
+    return -1;
+#endif
 }

@@ -12,21 +12,6 @@
  * perform the same IEEE operations. Elementwise steps are the same in any vector width. */
 #include "native.h"
 
-static inline float load1(const void *p, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void store1(void *p, int is_bf16, int64_t i, float v) {
-    if (is_bf16) {
-        uint32_t u;
-        v = round_bf16(v);
-        memcpy(&u, &v, sizeof u);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float *)p)[i] = v;
-    }
-}
-
 static float sumsq_portable(const char *x, int xb, int64_t H) {
     float a[LANES] = {0}, b[LANES];
     for (int64_t k = 0; k < H; k += LANES) {

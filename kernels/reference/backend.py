@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .. import native
-from ..backend import SINGLE, Backend, MoERouting, RowWeight, ShardGroup, divide_by_temperature
-from ..kv import AttentionBatch, KVSource
+from ..backend import SINGLE, Backend, DenseStack, MoERouting, RowWeight, ShardGroup, divide_by_temperature
+from ..kv import AttentionBatch, KVSource, PagedCacheWrite
 from ..native import rowwise
 from ..native.attention import attention as native_attention
+from ..native.stack import decoder_stack as native_stack
 from . import elementwise, moe
 
 
@@ -39,6 +41,15 @@ class ReferenceBackend(Backend):
         if x.dtype in (torch.float32, torch.bfloat16):
             return native.chunked_linear(x, chunks, fold=False)
         return super().chunk_partials(x, chunks)
+
+    def decoder_stack(self, x: Tensor, stack: DenseStack, cos: Tensor, sin: Tensor, cache: PagedCacheWrite,
+                      batch: AttentionBatch) -> Tensor | None:
+        # kernels/native/stack.c: the native kernels below, chained in C (fp32/bf16, no autograd) — not
+        # for a subclass that overrides one of them (the stack would skip its override)
+        if not _own_operators(type(self)):
+            return None
+        return native_stack(x, stack, cos, sin, cache, batch, kv_tile=self.config.kv_tile,
+                            chunks=self.config.reduce_chunks)
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if rowwise.supported(x, weight):
@@ -70,3 +81,13 @@ class ReferenceBackend(Backend):
         # fp32 logits; a bf16 LM head is widened inside rowdot (exact) instead of copied to fp32
         logits = native.linear(hidden.float(), lm_head)
         return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)
+
+
+#: The operators ``decoder_stack`` runs natively in their place.
+_STACKED = ("linear", "linears", "row_linear", "chunk_partials", "rmsnorm", "rope", "attention", "swiglu")
+
+
+@functools.cache
+def _own_operators(cls: type) -> bool:
+    """Whether ``cls`` runs ReferenceBackend's own ``_STACKED`` operators (no override)."""
+    return all(getattr(cls, name) is getattr(ReferenceBackend, name) for name in _STACKED)

@@ -9,13 +9,34 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as module_mod
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from onpolicy.kernels import Backend
+from onpolicy.kernels.backend import DenseStack
 from onpolicy.parallel.layout import ModelParallel, check_degrees
 
 from .config import ModelConfig
 from .context import AttentionContext
-from .layers import DecoderLayer, Linear, RMSNorm
+from .layers import DecoderLayer, Linear, RMSNorm, dense_stack
+
+_registrations = [0]
+"""Parameters registered (or replaced, e.g. ``load_state_dict(assign=True)``) in this process: a
+model's ``DenseStack`` holds its Parameter objects and is rebuilt when this count moves."""
+
+
+def _count_registration(module: nn.Module, name: str, param: object) -> None:
+    _registrations[0] += 1
+
+
+register_module_parameter_registration_hook(_count_registration)
+
+
+def _hooked(modules: list[nn.Module]) -> bool:
+    """Whether a forward (pre-)hook is registered on one of ``modules`` or globally."""
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def rope_table(head_dim: int, theta: float, max_positions: int) -> tuple[Tensor, Tensor]:
@@ -48,6 +69,8 @@ class CausalLM(nn.Module):
         # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
         self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self._head_cache: tuple[tuple[int, int], Tensor] | None = None
+        # (parameter registrations seen, the layers as a DenseStack or None, the layers' modules)
+        self._dense: tuple[int, DenseStack | None, list[nn.Module]] | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -76,9 +99,27 @@ class CausalLM(nn.Module):
                              f"{self.config.max_position_embeddings}")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx, ops)
+        stacked = self._stacked(x, cos, sin, ctx, ops)
+        if stacked is not None:
+            x = stacked
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, ctx, ops)
         return self.model.norm(x, ops)
+
+    def _stacked(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor | None:
+        """Every layer in one ``Backend.decoder_stack`` call, when autograd is off, the context writes a
+        paged cache and the model is dense and unsharded; None when the layers must run one by one."""
+        cache = getattr(ctx, "cache_write", None)
+        if cache is None or torch.is_grad_enabled():
+            return None
+        if self._dense is None or self._dense[0] != _registrations[0]:  # built, or a parameter was replaced since
+            stack = dense_stack(self.config, self.model.layers, self.parallel)
+            self._dense = (_registrations[0], stack, list(self.model.layers.modules()))
+        _, stack, modules = self._dense
+        if stack is None or _hooked(modules):  # forward hooks expect the modules to run
+            return None
+        return ops.decoder_stack(x, stack, cos, sin, cache, ctx.batch)
 
     def lm_head_fp32(self) -> Tensor:
         """The LM-head weight in fp32 (tied to the embeddings when the config says so). Without

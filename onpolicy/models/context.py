@@ -16,6 +16,9 @@ from onpolicy.kernels import AttentionBatch, ContiguousKV, KVSource
 
 
 class AttentionContext(Protocol):
+    """``batch`` and ``kv``; a context over a paged cache may also have ``cache_write``
+    (``PagedCacheWrite``), through which a backend can run every layer in one call."""
+
     batch: AttentionBatch
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> KVSource:

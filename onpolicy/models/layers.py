@@ -11,12 +11,13 @@ row-parallel linears still reduce in the canonical chunk order, so every degree 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
-from onpolicy.kernels.backend import ShardGroup, chunk_major
+from onpolicy.kernels.backend import DenseLayer, DenseStack, ShardGroup, chunk_major
 from onpolicy.kernels.reference.moe import dispatch
 from onpolicy.parallel.layout import ModelParallel, head_shard
 
@@ -190,3 +191,34 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, ctx, ops)
         return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+
+
+def dense_stack(cfg: ModelConfig, layers: Sequence[nn.Module], par: ModelParallel) -> DenseStack | None:
+    """The decoder ``layers`` as a ``DenseStack`` (their parameters, by reference) for
+    ``Backend.decoder_stack``, or None when a layer is not exactly what it describes: a MoE layer, a
+    sharded model (tensor or expert parallel), K/V projected through a row slice, or a subclass of a
+    module here (whose own ``forward`` the stack would skip)."""
+    if par.tp.degree != 1 or par.ep.degree != 1 or not layers:
+        return None
+    out: list[DenseLayer] = []
+    for layer in layers:
+        if type(layer) is not DecoderLayer:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        exact = (type(attn) is Attention and type(mlp) is MLP and type(attn.o_proj) is RowLinear
+                 and type(mlp.down_proj) is RowLinear and attn.kv_slice is None
+                 and all(type(p) is Linear for p in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+                 and all(type(n) is RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                       attn.q_norm, attn.k_norm) if n is not None))
+        if not exact:
+            return None
+        out.append(DenseLayer(
+            input_norm=layer.input_layernorm.weight, q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight,
+            q_bias=attn.q_proj.bias, k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias,
+            q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+            k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+            o=attn.o_proj, o_bias=attn.o_proj.bias, post_norm=layer.post_attention_layernorm.weight,
+            gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj))
+    first = layers[0].self_attn
+    assert isinstance(first, Attention)
+    return DenseStack(tuple(out), first.num_heads, first.num_kv_heads, first.head_dim, cfg.rms_norm_eps, first.scale)

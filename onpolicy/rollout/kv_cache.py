@@ -1,13 +1,15 @@
 """``KVCache`` (the page tensors) and ``PagedContext`` (the attention context of one engine step):
 new K/V rows are written to their slots, and attention reads every sequence through its page table
-as ``PagedKV`` — the same tile routine the trainer runs over whole sequences."""
+as ``PagedKV`` — the same tile routine the trainer runs over whole sequences. The context's
+``cache_write`` also lets a backend run every layer in one call (``Backend.decoder_stack``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from onpolicy.kernels import AttentionBatch, KVSource, PagedKV
+from onpolicy.kernels import AttentionBatch, KVSource
+from onpolicy.kernels.kv import PagedCacheWrite
 
 
 class KVCache:
@@ -29,11 +31,8 @@ class KVCache:
 
 class PagedContext:
     def __init__(self, cache: KVCache, batch: AttentionBatch, page_table: Tensor, slots: Tensor) -> None:
-        self.cache, self.batch, self.page_table, self.slots = cache, batch, page_table, slots
+        self.batch = batch
+        self.cache_write = PagedCacheWrite(cache.k, cache.v, page_table, slots, zero_row=cache.zero_row)
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> KVSource:
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        # a block copy per row, cheaper than []= (which also cast; .to is free when the dtypes agree)
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v.to(vc.dtype))
-        return PagedKV(kc, vc, self.page_table, zero_row=self.cache.zero_row)
+        return self.cache_write.write(layer, k, v)
