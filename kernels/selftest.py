@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -336,8 +337,8 @@ def _lm_head_grad_probe(ops: Backend, s: ProbeShapes, dtype: torch.dtype, gen: t
 def _native_paths_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
     """rowdot's vector path (when this CPU runs it) gives the bits of its portable path, and one
     thread the bits of several: the order of additions is the algorithm's, not the machine's.
-    Shapes cover K and N remainders of every micro-tile, bf16 and mixed operands; the pair-packed
-    bf16 weights (vector path only) give rowdot's bits, folded chunks included."""
+    Shapes cover K and N remainders of every micro-tile, bf16 and mixed operands; the packed fp32
+    and bf16 weights (vector path only) give rowdot's bits, folded chunks included."""
     fails, checked = [], 0
     for m, n, k in ((1, 7, 5), (3, 33, 64), (5, 96, 97), (8, 193, 576), (70, 40, 129)):
         x = torch.randn(m, k, generator=gen).to(dtype)
@@ -348,16 +349,17 @@ def _native_paths_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult
                 fails.append(f"vector vs portable {m}x{n}x{k} {w.dtype}")
             if not torch.equal(got, native.rowdot(x, w, threads=1)):
                 fails.append(f"1 thread vs {torch.get_num_threads()} {m}x{n}x{k} {w.dtype}")
-    if native.vector_path():  # the pair-packed bf16 weights a decode step reads (decoder_stack)
-        for m, n, k, c in ((1, 7, 32, 1), (3, 97, 64, 4), (4, 40, 576, 4)):
-            x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).bfloat16()
+    if native.vector_path():  # the packed weights a decode step reads (decoder_stack)
+        for (m, n, k, c), wd in itertools.product(((1, 7, 32, 1), (3, 97, 64, 4), (4, 40, 576, 4)),
+                                                  (dtype, torch.bfloat16)):
+            x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(wd)
             chunks = w.view(n, c, k // c).transpose(0, 1).contiguous()
             round_bf16 = dtype == torch.bfloat16
             want = native.rowdot_chunks(x, chunks, fold=True, round_bf16=round_bf16)
-            got = native.rowdot_packed(x, [(native.pack_bf16(w, c), n)], chunks=c, round_bf16=round_bf16)[0]
+            got = native.rowdot_packed(x, [(native.pack(w, c), n)], chunks=c, round_bf16=round_bf16)[0]
             checked += 1
             if not torch.equal(got, want):
-                fails.append(f"packed vs rowdot {m}x{n}x{k}, {c} chunks")
+                fails.append(f"packed {wd} vs rowdot {m}x{n}x{k}, {c} chunks")
     path = "vector (AVX2+FMA)" if native.vector_path() else "portable only"
     return ProbeResult("linear/rowdot-paths", not fails, checked, "; ".join(fails[:4]) or path)
 

@@ -111,9 +111,9 @@ def library() -> ctypes.CDLL:
     lib.rowdot_chunked.restype = None
     lib.rowdot_group.argtypes = [_PTR, _INT, _I64, _I64, _INT, _PTR, _INT, _I64, _INT, _INT]
     lib.rowdot_group.restype = _INT
-    lib.rowdot_pack_bf16.argtypes = [_PTR, _I64, _I64, _INT, _I64, _PTR]
-    lib.rowdot_pack_bf16.restype = None
-    lib.rowdot_packed.argtypes = [_PTR, _INT, _I64, _INT, _I64, _INT, _PTR, _INT, _I64, _INT]
+    lib.rowdot_pack.argtypes = [_PTR, _INT, _I64, _I64, _INT, _I64, _PTR]
+    lib.rowdot_pack.restype = None
+    lib.rowdot_packed.argtypes = [_PTR, _INT, _I64, _INT, _I64, _INT, _PTR, _INT, _INT, _I64, _INT]
     lib.rowdot_packed.restype = _INT
     lib.rowdot_vector_path.argtypes = []
     lib.rowdot_vector_path.restype = _INT
@@ -223,43 +223,49 @@ def rowdot_group(x: Tensor, weights: Sequence[Tensor], *, portable: bool = False
 
 
 def packable(weight: Tensor, chunks: int = 1) -> bool:
-    """Whether :func:`pack_bf16` takes ``weight`` with ``chunks`` chunks: a bf16 CPU matrix whose
-    chunks are a multiple of 16 columns, on a CPU that runs the vector path (the packed kernel's only
-    path)."""
-    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_cpu and chunks >= 1
-            and weight.shape[1] % (16 * chunks) == 0 and weight.stride(1) == 1 and vector_path())
+    """Whether :func:`pack` takes ``weight`` with ``chunks`` chunks: an fp32 (bf16) CPU matrix whose
+    chunks are a multiple of 8 (16) columns, on a CPU that runs the vector path (the packed kernel's
+    only path)."""
+    step = 16 if weight.dtype == torch.bfloat16 else 8
+    return (weight.dtype in _OPERAND_DTYPES and weight.dim() == 2 and weight.is_cpu and chunks >= 1
+            and weight.shape[1] % (step * chunks) == 0 and weight.stride(1) == 1 and vector_path())
 
 
-def pack_bf16(weight: Tensor, chunks: int = 1) -> Tensor:
-    """``weight [N, chunks*K]`` (bf16) pair-packed for :func:`rowdot_packed` (``rowdot.c`` states the
-    layout): a fresh int32 tensor of ``ceil(N / 8) * 8 * chunks * K / 2`` words."""
+def pack(weight: Tensor, chunks: int = 1) -> Tensor:
+    """``weight [N, chunks*K]`` packed for :func:`rowdot_packed` (``rowdot.c`` states the layouts): a
+    fresh tensor of ``ceil(N / 8) * 8 * chunks * K`` elements' bytes — fp32 for an fp32 weight, int32
+    words of two bf16 each (pair-packed) for a bf16 one."""
     if not packable(weight, chunks):
-        raise ValueError(f"pack_bf16 takes a bf16 CPU [N, K] weight with K a multiple of 16 * chunks on an "
-                         f"AVX2 CPU, got {weight.dtype} {tuple(weight.shape)} with {chunks} chunks")
+        raise ValueError(f"pack takes an fp32 or bf16 CPU [N, K] weight with K a multiple of 8 (fp32) or 16 (bf16) "
+                         f"times chunks on an AVX2 CPU, got {weight.dtype} {tuple(weight.shape)} with {chunks} chunks")
     n, k = weight.shape
-    out = torch.empty(-(-n // 8) * 8 * k // 2, dtype=torch.int32)
-    library().rowdot_pack_bf16(weight.data_ptr(), weight.stride(0), n, chunks, k // chunks, out.data_ptr())
+    bf16 = weight.dtype == torch.bfloat16
+    out = torch.empty(-(-n // 8) * 8 * k // (2 if bf16 else 1), dtype=torch.int32 if bf16 else torch.float32)
+    library().rowdot_pack(weight.data_ptr(), int(bf16), weight.stride(0), n, chunks, k // chunks, out.data_ptr())
     return out
 
 
 def rowdot_packed(x: Tensor, packed: Sequence[tuple[Tensor, int]], *, chunks: int = 1, round_bf16: bool = False,
                   threads: int | None = None) -> list[Tensor]:
-    """The folded :func:`rowdot_chunks` of ``x [M, chunks*K]`` with each pair-packed weight
-    (``(pack_bf16(w, chunks), rows of w)``), in one call: fp32 ``[M, rows]`` each, the same bits."""
+    """The folded :func:`rowdot_chunks` of ``x [M, chunks*K]`` with each packed weight (``(pack(w,
+    chunks), rows of w)``, all from fp32 or all from bf16 weights), in one call: fp32 ``[M, rows]``
+    each, the same bits."""
     x = _operand(x, "x")
-    if not 1 <= len(packed) <= GROUP_MAX:
-        raise ValueError(f"rowdot_packed takes 1 to {GROUP_MAX} weights, got {len(packed)}")
+    if not 1 <= len(packed) <= GROUP_MAX or len({w.dtype for w, _ in packed}) != 1:
+        raise ValueError(f"rowdot_packed takes 1 to {GROUP_MAX} packed weights of one dtype")
+    bf16 = packed[0][0].dtype == torch.int32
     m, k = x.shape
-    if chunks < 1 or k % (16 * chunks):
-        raise ValueError(f"rowdot_packed: x has {k} columns, not {chunks} chunks of a multiple of 16")
+    if chunks < 1 or k % ((16 if bf16 else 8) * chunks):
+        raise ValueError(f"rowdot_packed: x has {k} columns, not {chunks} chunks of the packed layout's multiple")
     for w, n in packed:
-        if w.dtype != torch.int32 or not w.is_contiguous() or w.numel() != -(-n // 8) * 8 * k // 2:
-            raise ValueError(f"rowdot_packed: a packed weight of {n} rows and {k} columns has "
-                             f"{-(-n // 8) * 8 * k // 2} int32 words, got {w.dtype} {tuple(w.shape)}")
+        size = -(-n // 8) * 8 * k // (2 if bf16 else 1)
+        if w.dtype not in (torch.int32, torch.float32) or not w.is_contiguous() or w.numel() != size:
+            raise ValueError(f"rowdot_packed: a packed weight of {n} rows and {k} columns has {size} "
+                             f"elements, got {w.dtype} {tuple(w.shape)}")
     ys = [torch.empty(m, n, dtype=torch.float32) for _, n in packed]
     meta = array("q", [*(w.data_ptr() for w, _ in packed), *(n for _, n in packed), *(y.data_ptr() for y in ys)])
     rc = library().rowdot_packed(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), chunks, k // chunks,
-                                 len(packed), meta.buffer_info()[0], int(round_bf16), m,
+                                 len(packed), meta.buffer_info()[0], int(bf16), int(round_bf16), m,
                                  threads or torch.get_num_threads())
     if rc != 0:
         raise ValueError("rowdot_packed: the kernel refused (it needs the AVX2 path)")

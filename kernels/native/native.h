@@ -156,9 +156,9 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
                     int round_partials_bf16, int64_t M, int64_t N, int threads, int force_portable);
 int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, const int64_t *meta, int w_bf16,
                  int64_t M, int threads, int force_portable);
-void rowdot_pack_bf16(const uint16_t *w, int64_t ldw, int64_t N, int chunks, int64_t K, uint32_t *out);
+void rowdot_pack(const void *w, int w_bf16, int64_t ldw, int64_t N, int chunks, int64_t K, void *out);
 int rowdot_packed(const void *x, int x_bf16, int64_t ldx, int chunks, int64_t K, int nw, const int64_t *meta,
-                  int round_partials, int64_t M, int threads);
+                  int w_bf16, int round_partials, int64_t M, int threads);
 int attention_rows(const void *q, int q_bf16, int64_t q_row, int64_t q_head, const void *k, const void *v,
                    int kv_bf16, int64_t kv_row, const int64_t *idx, int64_t L, const int64_t *seq,
                    const int64_t *pos, int64_t N, int Hq, int Hkv, int D, int tile, float scale, float *out,

@@ -275,56 +275,69 @@ int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, cons
     return 0;
 }
 
-/* Pair-packed bf16 weights, for rows of x few enough to share every weight tile (decode).
- *
- * Layout of a packed [N, chunks*K] bf16 weight (K % 16 == 0; N padded with zero rows to a multiple
- * of 8): tiles of 8 rows; in a tile, chunk by chunk, pair p of blocks (elements k = 16p .. 16p+15
- * of the chunk), row by row, 8 uint32 words, word j = w[k + j] | w[k + 8 + j] << 16. A tile's bytes
- * are contiguous (one sequential stream), and one 256-bit load holds two blocks of a row whose fp32
- * lanes come out in rowdot's lane order with one shift (block 2p) and one mask (block 2p + 1).
- * Each row's lane j accumulates block 2p then block 2p + 1 with the same FMAs in the same order as
- * rowdot, then the same lane tree; partials are rounded and folded as rowdot_chunked does: the
- * same bits. AVX2 only (the caller packs only where rowdot_vector_path() holds). */
+/* Packed weights, for rows of x few enough to share every weight tile (decode): tiles of 8 rows
+ * (N padded with zero rows to a multiple of 8) whose bytes are contiguous, one sequential stream
+ * per tile instead of 8 short row streams. In a tile, chunk by chunk:
+ *  - fp32 (K % 8 == 0): block b of the chunk (elements k = 8b .. 8b+7), row by row, 8 floats;
+ *  - bf16, pair-packed (K % 16 == 0): pair p of blocks (k = 16p .. 16p+15), row by row, 8 uint32
+ *    words, word j = w[k + j] | w[k + 8 + j] << 16: one 256-bit load holds two blocks of a row whose
+ *    fp32 lanes come out in rowdot's lane order with one shift (block 2p) and one mask (2p + 1).
+ * Each row's lane j accumulates the blocks in order with the same FMAs as rowdot, then the same lane
+ * tree; partials are rounded and folded as rowdot_chunked does: the same bits. AVX2 only (the
+ * caller packs only where rowdot_vector_path() holds). */
 #define PACK_TILE 8
 #define PACKED_TASK 12 /* tiles per parallel task (96 rows, as NBLOCK) */
 
-/* packs rows [0, N) of w (row stride ldw elements) into out (ceil(N / 8) tiles, zeroed padding) */
-void rowdot_pack_bf16(const uint16_t *w, int64_t ldw, int64_t N, int chunks, int64_t K, uint32_t *out) {
-    int64_t pairs = K / 16, tiles = ceil_div(N, PACK_TILE);
+/* packs rows [0, N) of w (row stride ldw elements; bf16 when w_bf16, else fp32) into out
+ * (ceil(N / 8) tiles of chunks * K * 8 elements' bytes; the padding rows zero) */
+void rowdot_pack(const void *w, int w_bf16, int64_t ldw, int64_t N, int chunks, int64_t K, void *out) {
+    int64_t step = w_bf16 ? 16 : LANES, steps = K / step, tiles = ceil_div(N, PACK_TILE);
     for (int64_t t = 0; t < tiles; t++)
         for (int c = 0; c < chunks; c++)
-            for (int64_t p = 0; p < pairs; p++)
+            for (int64_t p = 0; p < steps; p++)
                 for (int r = 0; r < PACK_TILE; r++) {
-                    int64_t n = t * PACK_TILE + r;
-                    uint32_t *o = out + (((t * chunks + c) * pairs + p) * PACK_TILE + r) * LANES;
-                    const uint16_t *src = w + n * ldw + c * K + p * 16;
-                    for (int j = 0; j < LANES; j++)
-                        o[j] = n < N ? (uint32_t)src[j] | (uint32_t)src[j + LANES] << 16 : 0u;
+                    int64_t n = t * PACK_TILE + r, at = (((t * chunks + c) * steps + p) * PACK_TILE + r) * LANES;
+                    int64_t src = n * ldw + c * K + p * step;
+                    for (int j = 0; j < LANES; j++) {
+                        if (w_bf16) {
+                            const uint16_t *q = (const uint16_t *)w + src;
+                            ((uint32_t *)out)[at + j] = n < N ? (uint32_t)q[j] | (uint32_t)q[j + LANES] << 16 : 0u;
+                        } else {
+                            ((float *)out)[at + j] = n < N ? ((const float *)w)[src + j] : 0.0f;
+                        }
+                    }
                 }
 }
 
 #ifdef NATIVE_X86
-/* rows m0..m1 of x against packed tile t: y[m, t*8 + r] for the tile's valid rows */
-AVX2_INLINE static void packed_tile(const char *x, int xb, size_t xrow, const uint32_t *tile, int chunks,
+/* rows m0..m1 of x against packed tile `tile`: y[m, r] for the tile's valid rows */
+AVX2_INLINE static void packed_tile(const char *x, int xb, size_t xrow, const char *tile, int wb, int chunks,
                                     int64_t K, int rows, int round_partials, float *y, int64_t ldy, int64_t m0,
                                     int64_t m1) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    int64_t pairs = K / 16;
+    const int64_t step = wb ? 16 : LANES, steps = K / step;
+    const size_t chunk_bytes = (size_t)K * PACK_TILE * (wb ? 2 : 4), step_bytes = PACK_TILE * 32;
     for (int64_t m = m0; m < m1; m++) {
         const char *xm = x + m * xrow;
         float total[PACK_TILE] = {0};
         for (int c = 0; c < chunks; c++) {
-            const uint32_t *wc = tile + (size_t)c * pairs * PACK_TILE * LANES;
+            const char *wc = tile + c * chunk_bytes;
             __m256 acc[PACK_TILE];
             for (int r = 0; r < PACK_TILE; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t p = 0; p < pairs; p++) {
-                int64_t k = c * K + 16 * p;
-                __m256 xa = load8(xm, xb, k), xc = load8(xm, xb, k + LANES);
-                const uint32_t *wp = wc + p * PACK_TILE * LANES;
-                for (int r = 0; r < PACK_TILE; r++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(wp + r * LANES));
-                    acc[r] = _mm256_fmadd_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(xc, _mm256_castsi256_ps(_mm256_and_si256(v, hi)), acc[r]);
+            for (int64_t p = 0; p < steps; p++) {
+                int64_t k = c * K + step * p;
+                const char *wp = wc + p * step_bytes;
+                __m256 xa = load8(xm, xb, k);
+                if (wb) {
+                    __m256 xc = load8(xm, xb, k + LANES);
+                    for (int r = 0; r < PACK_TILE; r++) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(wp + r * 32));
+                        acc[r] = _mm256_fmadd_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(xc, _mm256_castsi256_ps(_mm256_and_si256(v, hi)), acc[r]);
+                    }
+                } else {
+                    for (int r = 0; r < PACK_TILE; r++)
+                        acc[r] = _mm256_fmadd_ps(xa, _mm256_loadu_ps((const float *)(wp + r * 32)), acc[r]);
                 }
             }
             for (int r = 0; r < PACK_TILE; r++) {
@@ -337,48 +350,53 @@ AVX2_INLINE static void packed_tile(const char *x, int xb, size_t xrow, const ui
     }
 }
 
-#define PACKED_X(XB)                                                                               \
-    AVX2 static void packed_tile_##XB(const char *x, size_t xrow, const uint32_t *tile, int chunks,  \
-                                      int64_t K, int rows, int round_partials, float *y, int64_t ldy, \
-                                      int64_t m0, int64_t m1) {                                    \
-        packed_tile(x, XB, xrow, tile, chunks, K, rows, round_partials, y, ldy, m0, m1);           \
+#define PACKED_TILE(XB, WB)                                                                        \
+    AVX2 static void packed_tile_##XB##WB(const char *x, size_t xrow, const char *tile, int chunks,  \
+                                          int64_t K, int rows, int round_partials, float *y,         \
+                                          int64_t ldy, int64_t m0, int64_t m1) {                     \
+        packed_tile(x, XB, xrow, tile, WB, chunks, K, rows, round_partials, y, ldy, m0, m1);       \
     }
-PACKED_X(0)
-PACKED_X(1)
+PACKED_TILE(0, 0)
+PACKED_TILE(0, 1)
+PACKED_TILE(1, 0)
+PACKED_TILE(1, 1)
 #endif
 
-/* y_s [M, ns[s]] (fp32, row stride ns[s]) = x [M, chunks*K] against packed weight s (bf16), with
- * rowdot_chunked's bits (chunks folded; each partial rounded to bf16 when round_partials). meta holds
- * 3 * nw int64: the packed weights' addresses, their row counts ns and the outputs' addresses. The
- * threads share every weight's tasks (12 tiles each) as one list. Returns -1 (computing nothing)
- * without the AVX2 path or for more than ROWDOT_GROUP weights. */
+/* y_s [M, ns[s]] (fp32, row stride ns[s]) = x [M, chunks*K] against packed weight s (all bf16
+ * pair-packed when w_bf16, else all fp32), with rowdot_chunked's bits (chunks folded; each partial
+ * rounded to bf16 when round_partials). meta holds 3 * nw int64: the packed weights' addresses,
+ * their row counts ns and the outputs' addresses. The threads share every weight's tasks (12 tiles
+ * each) as one list. Returns -1 (computing nothing) without the AVX2 path, for a K the layout does
+ * not take, or for more than ROWDOT_GROUP weights. */
 int rowdot_packed(const void *x, int x_bf16, int64_t ldx, int chunks, int64_t K, int nw, const int64_t *meta,
-                  int round_partials, int64_t M, int threads) {
+                  int w_bf16, int round_partials, int64_t M, int threads) {
 #ifdef NATIVE_X86
-    if (nw < 0 || nw > ROWDOT_GROUP || K % 16 || !rowdot_vector_path()) return -1;
+    if (nw < 0 || nw > ROWDOT_GROUP || K % (w_bf16 ? 16 : LANES) || !rowdot_vector_path()) return -1;
     const int64_t *ns = meta + nw;
     int64_t first[ROWDOT_GROUP + 1];
     int64_t tasks = group_tasks(nw, ns, PACK_TILE * PACKED_TASK, 1, first);
     if (tasks == 0 || M == 0) return 0;
-    size_t xrow = (size_t)ldx * (x_bf16 ? 2 : 4), tile_words = (size_t)chunks * K / 2 * PACK_TILE;
+    size_t xrow = (size_t)ldx * (x_bf16 ? 2 : 4), tile_bytes = (size_t)chunks * K * PACK_TILE * (w_bf16 ? 2 : 4);
+    void (*run)(const char *, size_t, const char *, int, int64_t, int, int, float *, int64_t, int64_t, int64_t) =
+        x_bf16 ? (w_bf16 ? packed_tile_11 : packed_tile_10) : (w_bf16 ? packed_tile_01 : packed_tile_00);
     threads = team(threads, tasks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         int s = task_weight(first, t);
         int64_t n = ns[s], tiles = ceil_div(n, PACK_TILE), t0 = (t - first[s]) * PACKED_TASK;
         int64_t t1 = t0 + PACKED_TASK < tiles ? t0 + PACKED_TASK : tiles;
-        const uint32_t *w = (const uint32_t *)(intptr_t)meta[s];
+        const char *w = (const char *)(intptr_t)meta[s];
         float *y = (float *)(intptr_t)meta[2 * nw + s];
         for (int64_t i = t0; i < t1; i++) {
             int rows = n - i * PACK_TILE < PACK_TILE ? (int)(n - i * PACK_TILE) : PACK_TILE;
-            (x_bf16 ? packed_tile_1 : packed_tile_0)((const char *)x, xrow, w + i * tile_words, chunks, K, rows,
-                                                      round_partials, y + i * PACK_TILE, n, 0, M);
+            run((const char *)x, xrow, w + i * tile_bytes, chunks, K, rows, round_partials, y + i * PACK_TILE, n, 0,
+                M);
         }
     }
     return 0;
 #else
-    (void)x, (void)x_bf16, (void)ldx, (void)chunks, (void)K, (void)nw, (void)meta, (void)round_partials, (void)M,
-        (void)threads;
+    (void)x, (void)x_bf16, (void)ldx, (void)chunks, (void)K, (void)nw, (void)meta, (void)w_bf16, (void)round_partials,
+        (void)M, (void)threads;
     return -1;
 #endif
 }

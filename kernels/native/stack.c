@@ -20,8 +20,8 @@
  * Each addition of two act tensors is an fp32 addition rounded to act, as torch's. The weights of
  * layer l are the addresses weights[l * STACK_PTRS + i] in the order of the enum below (0 for an
  * absent bias or q/k norm), every one contiguous in act; the chunked ones [chunks, Out, K/chunks].
- * P_Q .. P_DOWN are the same weights pair-packed (rowdot_pack_bf16; o and down with `chunks`
- * chunks), or 0: a few rows then read those instead (the same bits, fewer bytes' worth of work). */
+ * P_Q .. P_DOWN are the same weights packed (rowdot_pack; o and down with `chunks` chunks), or 0:
+ * a few rows then read those instead (the same bits, read as one stream per 8-row tile). */
 #include <stdlib.h>
 
 #include "native.h"
@@ -29,8 +29,8 @@
 enum { W_IN_NORM, W_Q, W_K, W_V, B_Q, B_K, B_V, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE, W_UP, W_DOWN,
        P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, STACK_PTRS };
 
-/* Most rows that read the pair-packed copies (P_*, rowdot.c) when the table has them: every row
- * then reuses each weight tile from L1; more rows take the plain weights' 4-row micro-tiles. */
+/* Most rows that read the packed copies (P_*, rowdot.c) where the table has them: every row then
+ * reuses each weight tile from L1; more rows take the plain weights' 4-row micro-tiles. */
 #define PACKED_ROWS 4
 
 typedef struct {
@@ -80,17 +80,19 @@ static void add_into(void *x, const void *y, int64_t n, int bf16, int threads) {
 static inline const void *ptr(const int64_t *w, int i) { return (const void *)(intptr_t)w[i]; }
 
 /* The projections of one input in [N, K] (act) onto nw weights of layer w (table slots plain[s],
- * pair-packed slots pk[s], rows ns[s]): fp32 outs[s] [N, ns[s]], in one rowdot call. */
+ * packed slots pk[s], rows ns[s]): fp32 outs[s] [N, ns[s]], in one rowdot call (the packed copies
+ * when `packed` and every weight has one). */
 static int project(const stack_args *a, const int64_t *w, int packed, const void *in, int64_t K, int nw,
                    const int *plain, const int *pk, const int64_t *ns, float *const *outs) {
     int64_t meta[4 * 3];
+    for (int s = 0; s < nw; s++) packed = packed && w[pk[s]];
     if (packed) {
         for (int s = 0; s < nw; s++) {
             meta[s] = w[pk[s]];
             meta[nw + s] = ns[s];
             meta[2 * nw + s] = (int64_t)(intptr_t)outs[s];
         }
-        return rowdot_packed(in, a->bf16, K, 1, K, nw, meta, 0, a->rows, a->threads) ? -2 : 0;
+        return rowdot_packed(in, a->bf16, K, 1, K, nw, meta, a->bf16, 0, a->rows, a->threads) ? -2 : 0;
     }
     for (int s = 0; s < nw; s++) {
         meta[s] = w[plain[s]];
@@ -102,14 +104,15 @@ static int project(const stack_args *a, const int64_t *w, int packed, const void
 }
 
 /* A row-parallel linear (o_proj, down_proj) of in [N, K] (act): fp32 out [N, hidden] with the
- * canonical chunked reduction, from table slot `plain` (chunk-major) or `pk` (pair-packed). */
+ * canonical chunked reduction, from table slot `plain` (chunk-major) or `pk` (packed, when `packed`
+ * and present). */
 static int row_linear(const stack_args *a, const int64_t *w, int packed, const void *in, int64_t K, int plain, int pk,
                       float *out) {
     const int b = a->bf16;
     const int64_t C = a->chunks, H = a->hidden;
-    if (packed) {
+    if (packed && w[pk]) {
         int64_t meta[3] = {w[pk], H, (int64_t)(intptr_t)out};
-        return rowdot_packed(in, b, K, (int)C, K / C, 1, meta, b, a->rows, a->threads) ? -2 : 0;
+        return rowdot_packed(in, b, K, (int)C, K / C, 1, meta, b, b, a->rows, a->threads) ? -2 : 0;
     }
     rowdot_chunked(in, b, K, ptr(w, plain), b, K / C, H * (K / C), (int)C, K / C, out, H, 0, b, a->rows, H,
                    a->threads, a->force_portable);
@@ -137,7 +140,7 @@ int decoder_stack(const stack_args *a) {
     int rc = 0;
     for (int64_t l = 0; l < a->layers && rc == 0; l++) {
         const int64_t *w = a->weights + l * STACK_PTRS;
-        const int packed = N <= PACKED_ROWS && w[P_Q] && !a->force_portable;
+        const int packed = N <= PACKED_ROWS && !a->force_portable; /* where the table has packed copies */
         char *kc = a->k_cache + l * a->cache_layer * es, *vc = a->v_cache + l * a->cache_layer * es;
         rmsnorm_rows(a->x, b, H, ptr(w, W_IN_NORM), b, h, b, N, H, a->eps, a->threads, a->force_portable);
         static const int qkv_w[3] = {W_Q, W_K, W_V}, qkv_p[3] = {P_Q, P_K, P_V};

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..backend import DenseLayer, DenseStack
 from ..kv import AttentionBatch, PagedCacheWrite
-from . import library, pack_bf16, packable
+from . import library, pack, packable
 from .attention import row_index
 
 _I64, _INT, _PTR, _F = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -53,7 +53,7 @@ def _entry() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 #: A layer's addresses in stack.c's order (W_IN_NORM .. W_DOWN); the RowWeights are read chunked.
 _FIELDS = ("input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o", "o_bias",
            "post_norm", "gate", "up", "down")
-#: Then the pair-packed copies of these (P_Q .. P_DOWN; bf16 only, else 0).
+#: Then the packed copies of these (P_Q .. P_DOWN; 0 where none).
 _PACKED = ("q", "k", "v", "o", "gate", "up", "down")
 #: Most rows of a step that read the packed copies (``PACKED_ROWS`` in stack.c).
 PACKED_ROWS = 4
@@ -67,8 +67,8 @@ def _layer_tensors(layer: DenseLayer, chunks: int) -> list[Tensor | None]:
 def _table(stack: DenseStack, dtype: torch.dtype, chunks: int, hidden: int, packed: bool) -> array | None:
     """The layers' addresses for stack.c (None when a weight is not the kernel's), rebuilt only
     when a parameter moved or changed (its address or version; the chunked copies follow). With
-    ``packed`` (a bf16 step of few rows) the pair-packed copies are made on first use and kept with
-    the table. Writes through ``.data`` change neither and are not seen (as for the chunked copies)."""
+    ``packed`` (a step of few rows) the packed copies are made on first use and kept with the
+    table. Writes through ``.data`` change neither and are not seen (as for the chunked copies)."""
     params = stack.tensors()
     key = (dtype, chunks, hidden, *((t.data_ptr(), t._version) for t in params))
     hit = stack.cache.get("native_stack")
@@ -80,7 +80,7 @@ def _table(stack: DenseStack, dtype: torch.dtype, chunks: int, hidden: int, pack
         hit["key"] = key
         stack.cache["native_stack"] = hit
     if packed and not hit["packed"]:
-        _add_packed(hit, stack, chunks)
+        _add_packed(hit, stack, chunks, dtype)
     return hit["table"]
 
 
@@ -105,29 +105,24 @@ def _plain_table(stack: DenseStack, dtype: torch.dtype, chunks: int, hidden: int
     return {"table": table, "keep": keep, "packed": False}
 
 
-def _add_packed(entry: dict[str, object], stack: DenseStack, chunks: int) -> None:
-    """Fills the table's P_* addresses with pair-packed copies, when every weight is packable."""
-    per_layer = [_packed(layer, chunks) for layer in stack.layers]
+def _add_packed(entry: dict[str, object], stack: DenseStack, chunks: int, dtype: torch.dtype) -> None:
+    """Fills the table's P_* addresses with packed copies: every linear of a bf16 model (pair-packed:
+    half the conversion work per weight), the row-parallel ones of an fp32 model (their chunks are
+    short rows; the other fp32 weights stream as fast unpacked, measured). Nothing when a weight
+    that should be packed is not packable."""
+    fields = _PACKED if dtype == torch.bfloat16 else ("o", "down")
+    weights = [[(getattr(layer, f).weight if f in ("o", "down") else getattr(layer, f),
+                 chunks if f in ("o", "down") else 1) for f in fields] for layer in stack.layers]
     entry["packed"] = True  # tried: not again for these weights
-    if any(p is None for p in per_layer):
+    if not all(packable(w, c) for layer in weights for w, c in layer):
         return
     table, width = entry["table"], len(_FIELDS) + len(_PACKED)
     assert isinstance(table, array)
-    for i, copies in enumerate(per_layer):
-        assert copies is not None
-        for j, t in enumerate(copies):
-            table[i * width + len(_FIELDS) + j] = t.data_ptr()
-        entry["keep"] += copies  # type: ignore[operator]
-
-
-def _packed(layer: DenseLayer, chunks: int) -> list[Tensor] | None:
-    """The layer's weights pair-packed for few-row calls (``_PACKED``'s order), or None when one is
-    not packable (then no weight of the layer is packed)."""
-    weights = [(getattr(layer, f).weight if f in ("o", "down") else getattr(layer, f), chunks if f in ("o", "down")
-                else 1) for f in _PACKED]
-    if not all(packable(w, c) for w, c in weights):
-        return None
-    return [pack_bf16(w, c) for w, c in weights]
+    for i, layer in enumerate(weights):
+        for f, (w, c) in zip(fields, layer, strict=True):
+            copy = pack(w, c)
+            table[i * width + len(_FIELDS) + _PACKED.index(f)] = copy.data_ptr()
+            entry["keep"].append(copy)  # type: ignore[attr-defined]
 
 
 def _usable(t: Tensor | None, dtype: torch.dtype) -> bool:
@@ -151,7 +146,7 @@ def decoder_stack(x: Tensor, stack: DenseStack, cos: Tensor, sin: Tensor, cache:
         return None
     if batch.num_rows != n:
         raise ValueError(f"decoder_stack: {n} rows of x for a batch of {batch.num_rows}")
-    table = _table(stack, dtype, chunks, hidden, packed=dtype == torch.bfloat16 and n <= PACKED_ROWS and not portable)
+    table = _table(stack, dtype, chunks, hidden, packed=n <= PACKED_ROWS and not portable)
     if table is None:
         return None
     if n == 0:

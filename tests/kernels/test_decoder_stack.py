@@ -1,5 +1,5 @@
-"""The reference backend's whole-stack call (``kernels/native/stack.c``) and the pair-packed bf16
-weights it reads for few rows (``rowdot_packed``) give the bits of the per-operator path: the
+"""The reference backend's whole-stack call (``kernels/native/stack.c``) and the packed weights it
+reads for few rows (``rowdot_packed``: fp32, and pair-packed bf16) give the bits of the per-operator path: the
 same hidden states, the same K/V cache contents, the same sampled tokens and logprobs, for prefill,
 mixed and decode steps, Llama and Qwen3, fp32 and bf16, with and without attention biases; the
 trainer's autograd path agrees; anything the stack does not describe takes the per-operator path.
@@ -22,23 +22,25 @@ PAGE = 16
 needs_vector = pytest.mark.skipif(not native.vector_path(), reason="the packed kernel runs on the AVX2 path only")
 
 
-# ---- rowdot_packed: the pair-packed bf16 weights ------------------------------------------------
+# ---- rowdot_packed: packed fp32 and pair-packed bf16 weights ------------------------------------
 
 @needs_vector
-@pytest.mark.parametrize("xd", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("xd,wd", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                   (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("chunks", [1, 4])
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("n", [1, 8, 9, 97])
-def test_packed_weights_give_the_chunked_rowdot_bits(xd: torch.dtype, chunks: int, m: int, n: int) -> None:
+def test_packed_weights_give_the_chunked_rowdot_bits(xd: torch.dtype, wd: torch.dtype, chunks: int, m: int,
+                                                     n: int) -> None:
     gen = torch.Generator().manual_seed(m * 100 + n + chunks)
-    k = 16 * chunks * 3
-    w = (torch.randn(n, k, generator=gen) * 3).to(torch.bfloat16)
+    k = (16 if wd == torch.bfloat16 else 8) * chunks * 3
+    w = (torch.randn(n, k, generator=gen) * 3).to(wd)
     x = (torch.randn(m, k, generator=gen) * 3).to(xd)
     w[0, 5], x[0, 7], x[-1, 3] = float("inf"), -0.0, 1e30  # a non-finite product stays in its own row
     round_bf16 = xd == torch.bfloat16
     want = native.rowdot_chunks(x, w.view(n, chunks, k // chunks).transpose(0, 1).contiguous(), fold=True,
                                 round_bf16=round_bf16)
-    packed = native.pack_bf16(w, chunks)
+    packed = native.pack(w, chunks)
     for threads in (1, 2, 3):
         got = native.rowdot_packed(x, [(packed, n)], chunks=chunks, round_bf16=round_bf16, threads=threads)[0]
         assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
@@ -46,28 +48,30 @@ def test_packed_weights_give_the_chunked_rowdot_bits(xd: torch.dtype, chunks: in
 
 
 @needs_vector
-def test_a_packed_group_gives_each_weight_its_own_bits() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_group_gives_each_weight_its_own_bits(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
-    ws = [torch.randn(n, 64, generator=gen).to(torch.bfloat16) for n in (24, 8, 13)]
-    ys = native.rowdot_packed(x, [(native.pack_bf16(w), w.shape[0]) for w in ws])
+    x = torch.randn(2, 64, generator=gen).to(dtype)
+    ws = [torch.randn(n, 64, generator=gen).to(dtype) for n in (24, 8, 13)]
+    ys = native.rowdot_packed(x, [(native.pack(w), w.shape[0]) for w in ws])
     for w, y in zip(ws, ys, strict=True):
         assert torch.equal(y, native.rowdot(x, w))
 
 
 @pytest.mark.parametrize("weight,chunks", [(torch.zeros(8, 24, dtype=torch.bfloat16), 1),
                                            (torch.zeros(8, 32, dtype=torch.bfloat16), 4),
-                                           (torch.zeros(8, 32), 1)])
+                                           (torch.zeros(8, 12), 1), (torch.zeros(8, 16), 4),
+                                           (torch.zeros(8, 32, dtype=torch.float16), 1)])
 def test_unpackable_weights_are_refused_clearly(weight: torch.Tensor, chunks: int) -> None:
     assert not native.packable(weight, chunks)
-    with pytest.raises(ValueError, match="pack_bf16 takes"):
-        native.pack_bf16(weight, chunks)
+    with pytest.raises(ValueError, match="pack takes"):
+        native.pack(weight, chunks)
 
 
 @needs_vector
 def test_a_packed_weight_of_the_wrong_size_is_refused() -> None:
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="int32 words"):
+    with pytest.raises(ValueError, match="has 128 elements"):
         native.rowdot_packed(x, [(torch.zeros(10, dtype=torch.int32), 8)])
 
 
