@@ -272,10 +272,21 @@ def rowdot_packed(x: Tensor, packed: Sequence[tuple[Tensor, int]], *, chunks: in
     return ys
 
 
+def _fp32(t: Tensor) -> Tensor:
+    return t.float()
+
+
+def _grad_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of a backward pass, in fp32: bf16 operands are widened (exact) and multiplied with
+    fp32 accumulation, one rounding when the caller casts the result. torch's bf16 GEMM accumulates
+    in fp32 too, but on a CPU without bf16 instructions it runs about 100× slower than the fp32 one
+    (gradients carry no bitwise contract; this one is deterministic for a given shape)."""
+    return _fp32(a).mm(_fp32(b))
+
+
 class _Rowdot(torch.autograd.Function):
-    """Forward: ``rowdot_chunks`` in ``x``'s dtype. Backward: the GEMMs of ``F.linear``'s backward,
-    over the whole K when the partials are folded, per chunk otherwise (the gradient has no
-    invariance contract; it is deterministic for a given shape)."""
+    """Forward: ``rowdot_chunks`` in ``x``'s dtype. Backward: the GEMMs of ``F.linear``'s backward
+    in fp32 (``_grad_mm``), over the whole K when the partials are folded, per chunk otherwise."""
 
     @staticmethod
     def forward(ctx, x: Tensor, chunks: Tensor, fold: bool, round_bf16: bool) -> Tensor:  # type: ignore[override]
@@ -287,19 +298,20 @@ class _Rowdot(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         x, chunks = ctx.saved_tensors
         c, n, kc = chunks.shape
+        grad = _fp32(grad)  # widened once for both GEMMs
         gx = gw = None
         if ctx.fold:  # every chunk sees the same gradient: one GEMM over the whole K for each operand
             if ctx.needs_input_grad[0]:
                 w = chunks[0] if c == 1 else chunks.transpose(0, 1).reshape(n, c * kc)
-                gx = grad.mm(w.to(grad.dtype)).to(x.dtype)
+                gx = _grad_mm(grad, w).to(x.dtype)
             if ctx.needs_input_grad[1]:
-                gw = grad.t().mm(x.to(grad.dtype)).view(n, c, kc).transpose(0, 1).to(chunks.dtype)
+                gw = _grad_mm(grad.t(), x).view(n, c, kc).transpose(0, 1).to(chunks.dtype)
             return gx, gw, None, None
         grads = list(grad)
         if ctx.needs_input_grad[0]:
-            gx = torch.cat([g.mm(w.to(g.dtype)) for g, w in zip(grads, chunks, strict=True)], 1).to(x.dtype)
+            gx = torch.cat([_grad_mm(g, w) for g, w in zip(grads, chunks, strict=True)], 1).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gw = torch.stack([g.t().mm(x[:, i * kc:(i + 1) * kc].to(g.dtype)) for i, g in enumerate(grads)])
+            gw = torch.stack([_grad_mm(g.t(), x[:, i * kc:(i + 1) * kc]) for i, g in enumerate(grads)])
             gw = gw.to(chunks.dtype)
         return gx, gw, None, None
 
@@ -327,13 +339,43 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return _apply(x, weight[None], True, False)
 
 
+class _RowdotGroup(torch.autograd.Function):
+    """Forward: :func:`rowdot_group` in ``x``'s dtype (each output has its own ``linear``'s bits).
+    Backward (fp32, as ``_Rowdot``'s): ``x``'s gradient accumulated GEMM by GEMM into one buffer
+    (``addmm_``: no separate sum pass), each weight's gradient as its own GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.save_for_backward(x, *weights)
+        return tuple(y.to(x.dtype) for y in rowdot_group(x, weights))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        gs = [_fp32(g) for g in grads]  # each widened once for both GEMMs
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _grad_mm(gs[0], weights[0])
+            for g, w in zip(gs[1:], weights[1:], strict=True):
+                gx.addmm_(g, _fp32(w))
+            gx = gx.to(x.dtype)
+        xf = _fp32(x) if any(ctx.needs_input_grad[1:]) else x
+        gws = [_grad_mm(g.t(), xf).to(w.dtype) if need else None
+               for g, w, need in zip(gs, weights, ctx.needs_input_grad[1:], strict=True)]
+        return (gx, *gws)
+
+
 def linears(x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
     """The projections ``[linear(x, w) for w in weights]`` of one input (q/k/v, gate/up) in ``x``'s
-    dtype, with the same bits: one :func:`rowdot_group` call without autograd, one ``linear`` per
-    weight under it (or when the weights' dtypes differ)."""
-    grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    if (grad or x.dtype not in _OPERAND_DTYPES or not 1 <= len(weights) <= GROUP_MAX
+    dtype, with the same bits: one :func:`rowdot_group` call (differentiable under autograd:
+    ``_RowdotGroup``), or one ``linear`` per weight when the group does not fit the kernel (the
+    weights' dtypes differ, more than ``GROUP_MAX``)."""
+    if (x.dtype not in _OPERAND_DTYPES or not 1 <= len(weights) <= GROUP_MAX
             or len({w.dtype for w in weights}) != 1):
         return [linear(x, w) for w in weights]
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in weights):
+            return [linear(x, w) for w in weights]  # linear's own shape error
+        return list(_RowdotGroup.apply(x, *weights))
     ys = rowdot_group(x, weights)  # checks the shapes
     return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from onpolicy.kernels import native
 
@@ -79,8 +80,9 @@ def test_gradients_are_the_plain_gemms(xd, wd) -> None:
     assert y.dtype == xd and torch.equal(y.detach(), native.rowdot(x.detach(), w.detach()).to(xd))
     g = torch.randn(13, 24).to(xd)
     y.backward(g)
-    assert torch.equal(x.grad, g.mm(w.detach().to(xd)).to(xd))
-    assert torch.equal(w.grad, g.t().mm(x.detach()).to(wd))
+    # fp32 GEMMs of the (exactly) widened operands, rounded once to each operand's dtype
+    assert torch.equal(x.grad, g.float().mm(w.detach().float()).to(xd))
+    assert torch.equal(w.grad, g.float().t().mm(x.detach().float()).to(wd))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -207,17 +209,37 @@ def test_a_group_call_gives_each_weight_the_bits_of_its_own_call(m, xd, wd) -> N
     assert torch.equal(native.rowdot_group(x, [wide[:, 100:200]])[0], native.rowdot(x, wide[:, 100:200].contiguous()))
 
 
-def test_linears_keeps_each_linear_and_its_gradient() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("need", ["all", "x", "weights"])
+def test_linears_keeps_each_linear_and_its_gradient(dtype, need) -> None:
+    """Under autograd too, the group is one call whose outputs have each linear's bits; its
+    gradients are the separate linears' (x's accumulated in fp32 in one buffer)."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 64, generator=gen)
-    ws = [torch.randn(n, 64, generator=gen) for n in (64, 16, 16)]
-    for y, w in zip(native.linears(x.bfloat16(), [w.bfloat16() for w in ws]), ws, strict=True):
-        assert y.dtype == torch.bfloat16 and torch.equal(y, native.linear(x.bfloat16(), w.bfloat16()))
-    xg = x.clone().requires_grad_(True)
-    wg = [w.clone().requires_grad_(True) for w in ws]
-    sum(y.sum() for y in native.linears(xg, wg)).backward()
-    assert torch.allclose(xg.grad, sum(w.sum(0) for w in ws).expand(4, 64), rtol=1e-5, atol=1e-5)
-    assert all(torch.allclose(w.grad, x.sum(0).expand_as(w), rtol=1e-5, atol=1e-5) for w in wg)
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    ws = [(torch.randn(n, 64, generator=gen) * 0.1).to(dtype) for n in (64, 16, 24)]
+    ups = [torch.randn(37, n, generator=gen).to(dtype) for n in (64, 16, 24)]
+    for y, w in zip(native.linears(x, ws), ws, strict=True):
+        assert y.dtype == dtype and torch.equal(y, native.linear(x, w))
+
+    def run(group: bool) -> tuple[Tensor | None, list[Tensor | None]]:
+        xg = x.clone().requires_grad_(need in ("all", "x"))
+        wg = [w.clone().requires_grad_(need in ("all", "weights")) for w in ws]
+        ys = native.linears(xg, wg) if group else [native.linear(xg, w) for w in wg]
+        for y, w in zip(ys, ws, strict=True):
+            assert y.requires_grad and torch.equal(y.detach(), native.linear(x, w))
+        sum((y.float() * u.float()).sum() for y, u in zip(ys, ups, strict=True)).backward()
+        return xg.grad, [w.grad for w in wg]
+
+    (gx, gws), (rx, rws) = run(True), run(False)
+    assert (gx is None) == (need == "weights") and all((g is None) == (need == "x") for g in gws)
+    if gx is not None:  # fp32 GEMMs accumulated in one buffer, rounded once
+        want = ups[0].float().mm(ws[0].float())
+        for u, w in zip(ups[1:], ws[1:], strict=True):
+            want.addmm_(u.float(), w.float())
+        assert torch.equal(gx, want.to(dtype))
+        assert torch.allclose(gx.float(), rx.float(), rtol=2e-2, atol=2e-2)  # the separate linears' sum
+    for g, r in zip(gws, rws, strict=True):
+        assert g is None or torch.equal(g, r)  # each weight's own GEMM
 
 
 @pytest.mark.parametrize("weights,match", [
