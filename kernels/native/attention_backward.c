@@ -12,8 +12,8 @@
  *   dk_j += dS_j q,  dv_j += P_j grad            -> dk, dv [S, Hq, L, D] (positions 0..lens[s]-1)
  *
  * The caller sums dk/dv over the query heads of each KV head and adds them into the storage rows.
- * The portable task sums dot products in 8 lanes and rowdot's lane tree; the AVX2 task (D a
- * multiple of 8) with FMAs, four positions at a time, and updates dk/dv for BR query rows at once.
+ * The portable task sums dot products in 8 lanes and rowdot's lane tree, one row at a time; the
+ * AVX2 task (D a multiple of 8) runs the same steps as small GEMMs on register tiles (see below).
  * Each is deterministic on its own; they may differ from each other in the last bits. */
 #include <omp.h>
 #include <stdlib.h>
@@ -21,7 +21,9 @@
 
 #include "native.h"
 
-#define BR 4 /* query rows per block in the AVX2 task */
+#define BQ 16 /* query rows per block in the AVX2 task */
+#define TJ 16 /* positions per S / dP tile in the AVX2 task (two vectors) */
+
 
 typedef struct {
     const float *q, *k, *v, *grad, *out; /* q, grad, out [N, Hq, D]; k, v: storage rows of D */
@@ -79,80 +81,159 @@ static void task_portable(const bwd *b, int64_t s, int h, float *sc) {
 }
 
 #ifdef NATIVE_X86
-/* The AVX2 task for D a multiple of 8: the same steps, with the dot products of four positions at a
- * time in four independent FMA chains (a lone chain waits on each FMA's latency). */
+/* The AVX2 task for D a multiple of 8, as small GEMMs on register tiles. Per task it lays the K and
+ * V rows it reads out transposed (KT, VT [D][Lp], zero-padded to Lp, a multiple of TJ positions),
+ * then takes its sequence's query rows BQ at a time:
+ *   S  = Q KT, dP = G VT        4 rows x TJ positions per tile, over d (positions past a row's p
+ *                               are computed and then ignored: P and dS are set to 0 there);
+ *   P, dS per row               (softmax over j <= p with exp8, delta = dot(grad, out));
+ *   dq = dS K                   4 rows x 16 columns per tile, positions in order, each row only
+ *                               over its own j <= p;
+ *   dk_j += dS^T Q, dv_j += P^T G   4 positions x 16 columns per tile, the block's rows in order,
+ *                               each row only into the positions it read (a non-finite row never
+ *                               reaches another position as 0 * inf). */
 AVX2_INLINE static __m256 fma_row(const float *a, const float *b, int d, __m256 acc) {
     for (int k = 0; k < d; k += LANES) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
     return acc;
 }
 
-/* out[j] = dot(x, rows[ix[j]]) * mul for j = 0..p */
-AVX2_INLINE static void dots(const float *x, const float *base, const int64_t *ix, int64_t p, int d, float mul,
-                             float *out) {
-    int64_t j = 0;
-    for (; j + 4 <= p + 1; j += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        a0 = fma_row(x, base + ix[j] * d, d, a0);
-        a1 = fma_row(x, base + ix[j + 1] * d, d, a1);
-        a2 = fma_row(x, base + ix[j + 2] * d, d, a2);
-        a3 = fma_row(x, base + ix[j + 3] * d, d, a3);
-        out[j] = hsum(a0) * mul, out[j + 1] = hsum(a1) * mul, out[j + 2] = hsum(a2) * mul, out[j + 3] = hsum(a3) * mul;
+/* The tiles below keep their 8 accumulators in named registers (an indexed array would live on
+ * the stack); ACC(u) is row / position u's pair, over 16 columns (the second only when NV == 2). */
+#define ACC_ZERO(u) __m256 a##u##0 = _mm256_setzero_ps(), a##u##1 = a##u##0
+#define ACC_FMA(u, b) (a##u##0 = _mm256_fmadd_ps(b, r0, a##u##0), a##u##1 = NV > 1 ? _mm256_fmadd_ps(b, r1, a##u##1) : a##u##1)
+#define ACC_LOAD(u, p) (a##u##0 = _mm256_loadu_ps(p), a##u##1 = NV > 1 ? _mm256_loadu_ps((p) + LANES) : a##u##1)
+#define ACC_STORE(u, p) (_mm256_storeu_ps(p, a##u##0), NV > 1 ? _mm256_storeu_ps((p) + LANES, a##u##1) : (void)0)
+
+/* out[u * ldo + j .. + TJ) = sum_d x[u][d] * T[d * ldt + j .. + TJ) for u < nr (x[nr..3] are
+ * stand-ins, computed and not stored); r0/r1 are T's two vectors, broadcasts of x the multipliers */
+AVX2_INLINE static void xt_tile(const float *const x[4], int nr, const float *T, int64_t ldt, int D, int64_t j,
+                                float *out, int64_t ldo) {
+    enum { NV = 2 };
+    ACC_ZERO(0); ACC_ZERO(1); ACC_ZERO(2); ACC_ZERO(3);
+    const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+    for (int d = 0; d < D; d++) {
+        const float *t = T + d * ldt + j;
+        __m256 r0 = _mm256_loadu_ps(t), r1 = _mm256_loadu_ps(t + LANES);
+        ACC_FMA(0, _mm256_broadcast_ss(x0 + d));
+        ACC_FMA(1, _mm256_broadcast_ss(x1 + d));
+        ACC_FMA(2, _mm256_broadcast_ss(x2 + d));
+        ACC_FMA(3, _mm256_broadcast_ss(x3 + d));
     }
-    for (; j <= p; j++) out[j] = hsum(fma_row(x, base + ix[j] * d, d, _mm256_setzero_ps())) * mul;
+    out += j;
+    ACC_STORE(0, out);
+    if (nr > 1) ACC_STORE(1, out + ldo);
+    if (nr > 2) ACC_STORE(2, out + 2 * ldo);
+    if (nr > 3) ACC_STORE(3, out + 3 * ldo);
 }
 
-/* y[d] = (add ? y[d] : 0) + sum_i c[i * cs] * x_i[d] over i < n, where row x_i is base + ix[i] * D
- * (ix given) or rows[i]; D a multiple of 8, 32 elements at a time in four registers. */
-AVX2_INLINE static void sum_rows(float *y, int add, const float *base, const int64_t *ix, const float *const *rows,
-                                 const float *c, int64_t cs, int64_t n, int D) {
-    int d = 0;
-    for (; d + 4 * LANES <= D; d += 4 * LANES) {
-        __m256 a[4];
-        for (int u = 0; u < 4; u++) a[u] = add ? _mm256_loadu_ps(y + d + u * LANES) : _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++) {
-            const float *x = (ix ? base + ix[i] * D : rows[i]) + d;
-            __m256 ci = _mm256_set1_ps(c[i * cs]);
-            for (int u = 0; u < 4; u++) a[u] = _mm256_fmadd_ps(ci, _mm256_loadu_ps(x + u * LANES), a[u]);
-        }
-        for (int u = 0; u < 4; u++) _mm256_storeu_ps(y + d + u * LANES, a[u]);
+/* y[u][d0 .. d0 + 8 NV) = sum_t c[u][t] * rows[t][d0 ..] over t < live[u], in order of t (every u
+ * takes t < common unchecked), stored for u < ny. */
+AVX2_INLINE static void rows_tile(float *const y[4], int ny, const float *const c[4], const float *const *rows,
+                                  int64_t n, int64_t common, const int64_t live[4], int d0, const int NV) {
+    ACC_ZERO(0); ACC_ZERO(1); ACC_ZERO(2); ACC_ZERO(3);
+    const float *c0 = c[0], *c1 = c[1], *c2 = c[2], *c3 = c[3];
+    int64_t t = 0;
+    for (; t < common; t++) {
+        const float *r = rows[t] + d0;
+        __m256 r0 = _mm256_loadu_ps(r), r1 = NV > 1 ? _mm256_loadu_ps(r + LANES) : r0;
+        ACC_FMA(0, _mm256_broadcast_ss(c0 + t));
+        ACC_FMA(1, _mm256_broadcast_ss(c1 + t));
+        ACC_FMA(2, _mm256_broadcast_ss(c2 + t));
+        ACC_FMA(3, _mm256_broadcast_ss(c3 + t));
     }
-    for (; d < D; d += LANES) {
-        __m256 a = add ? _mm256_loadu_ps(y + d) : _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(c[i * cs]), _mm256_loadu_ps((ix ? base + ix[i] * D : rows[i]) + d), a);
-        _mm256_storeu_ps(y + d, a);
+    for (; t < n; t++) {
+        const float *r = rows[t] + d0;
+        __m256 r0 = _mm256_loadu_ps(r), r1 = NV > 1 ? _mm256_loadu_ps(r + LANES) : r0;
+        if (t < live[0]) ACC_FMA(0, _mm256_broadcast_ss(c0 + t));
+        if (t < live[1]) ACC_FMA(1, _mm256_broadcast_ss(c1 + t));
+        if (t < live[2]) ACC_FMA(2, _mm256_broadcast_ss(c2 + t));
+        if (t < live[3]) ACC_FMA(3, _mm256_broadcast_ss(c3 + t));
     }
+    ACC_STORE(0, y[0] + d0);
+    if (ny > 1) ACC_STORE(1, y[1] + d0);
+    if (ny > 2) ACC_STORE(2, y[2] + d0);
+    if (ny > 3) ACC_STORE(3, y[3] + d0);
 }
 
-/* The AVX2 task takes its sequence's query rows BR at a time: each row's softmax P and dS are
- * computed into scratch, dq is one register-held sum over the positions, and each position's dk/dv
- * row is loaded and stored once per block, taking the block's rows that read it in order (the same
- * FMAs in the same order as one row at a time). */
+/* positions j0 .. j0 + nj - 1 (nj <= 4) of dst (dk or dv, rows of D), columns d0 .. d0 + 8 NV,
+ * += the block's rows i, in order, each into the positions it read (p >= j): coefficient
+ * w[i * ld + j] times row x[i]. */
+AVX2_INLINE static void scatter_tile(float *dst, int D, int64_t j0, int nj, const float *w, int64_t ld,
+                                     const float *const *x, const int64_t *ps, int nb, int d0, const int NV) {
+    float *y = dst + j0 * D + d0;
+    ACC_ZERO(0); ACC_ZERO(1); ACC_ZERO(2); ACC_ZERO(3);
+    ACC_LOAD(0, y);
+    if (nj > 1) ACC_LOAD(1, y + D);
+    if (nj > 2) ACC_LOAD(2, y + 2 * D);
+    if (nj > 3) ACC_LOAD(3, y + 3 * D);
+    for (int i = 0; i < nb; i++) {
+        int64_t cnt = ps[i] - j0 + 1; /* of positions j0.. row i read */
+        if (cnt <= 0) continue;
+        const float *r = x[i] + d0, *c = w + i * ld + j0;
+        __m256 r0 = _mm256_loadu_ps(r), r1 = NV > 1 ? _mm256_loadu_ps(r + LANES) : r0;
+        ACC_FMA(0, _mm256_broadcast_ss(c));
+        if (cnt > 1) ACC_FMA(1, _mm256_broadcast_ss(c + 1));
+        if (cnt > 2) ACC_FMA(2, _mm256_broadcast_ss(c + 2));
+        if (cnt > 3) ACC_FMA(3, _mm256_broadcast_ss(c + 3));
+    }
+    ACC_STORE(0, y);
+    if (nj > 1) ACC_STORE(1, y + D);
+    if (nj > 2) ACC_STORE(2, y + 2 * D);
+    if (nj > 3) ACC_STORE(3, y + 3 * D);
+}
 
-AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *sc) {
+AVX2_INLINE static void scatter_block(float *dst, int D, int64_t j0, int nj, const float *w, int64_t ld,
+                                      const float *const *x, const int64_t *ps, int nb) {
+    int d0 = 0;
+    for (; d0 + 2 * LANES <= D; d0 += 2 * LANES) scatter_tile(dst, D, j0, nj, w, ld, x, ps, nb, d0, 2);
+    if (d0 < D) scatter_tile(dst, D, j0, nj, w, ld, x, ps, nb, d0, 1);
+}
+
+AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *scratch) {
     int D = b->D, kvh = h / (b->Hq / b->Hkv);
-    int64_t L = b->L, len = b->lens[s];
+    int64_t L = b->L, len = b->lens[s], Lp = (L + TJ - 1) / TJ * TJ;
+    float *KT = scratch, *VT = KT + (int64_t)D * Lp, *S = VT + (int64_t)D * Lp, *DP = S + BQ * Lp;
+    const float **kp = (const float **)(DP + BQ * Lp);
     float *dk = b->dk + ((s * b->Hq + h) * L) * D, *dv = b->dv + ((s * b->Hq + h) * L) * D;
-    float *P = sc, *dS = sc + BR * L; /* [BR][L] each */
+    const int64_t *ix = b->idx + (s * b->Hkv + kvh) * L;
+    int64_t lp = (len + TJ - 1) / TJ * TJ;
+    for (int64_t j = 0; j < len; j++) {
+        const float *kj = b->k + ix[j] * D, *vj = b->v + ix[j] * D;
+        kp[j] = kj;
+        for (int d = 0; d < D; d++) KT[d * Lp + j] = kj[d], VT[d * Lp + j] = vj[d];
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t j = len; j < lp; j++) KT[d * Lp + j] = VT[d * Lp + j] = 0.0f;
     memset(dk, 0, sizeof(float) * (size_t)(len * D));
     memset(dv, 0, sizeof(float) * (size_t)(len * D));
-    const int64_t *ix = b->idx + (s * b->Hkv + kvh) * L;
-    for (int64_t r0 = b->starts[s]; r0 < b->starts[s + 1]; r0 += BR) {
-        int nb = b->starts[s + 1] - r0 < BR ? (int)(b->starts[s + 1] - r0) : BR;
-        int64_t pmax = 0, ps[BR];
-        const float *qs[BR], *gs[BR];
+    for (int64_t r0 = b->starts[s]; r0 < b->starts[s + 1]; r0 += BQ) {
+        int nb = b->starts[s + 1] - r0 < BQ ? (int)(b->starts[s + 1] - r0) : BQ;
+        int64_t pmax = 0, ps[BQ];
+        const float *qs[BQ], *gs[BQ];
+        float *dqs[BQ];
         for (int i = 0; i < nb; i++) {
-            int64_t n = b->order[r0 + i], p = b->pos[n], at = (n * b->Hq + h) * D;
-            float *Pi = P + i * L, *dSi = dS + i * L, m = -INFINITY;
-            ps[i] = p, qs[i] = b->q + at, gs[i] = b->grad + at;
-            pmax = p > pmax ? p : pmax;
-            dots(qs[i], b->k, ix, p, D, b->scale, Pi);
-            dots(gs[i], b->v, ix, p, D, 1.0f, dSi); /* dot(grad, v_j) for now */
-            for (int64_t j = 0; j <= p; j++) m = Pi[j] > m ? Pi[j] : m;
+            int64_t n = b->order[r0 + i], at = (n * b->Hq + h) * D;
+            ps[i] = b->pos[n], qs[i] = b->q + at, gs[i] = b->grad + at, dqs[i] = b->dq + at;
+            pmax = ps[i] > pmax ? ps[i] : pmax;
+        }
+        for (int i0 = 0; i0 < nb; i0 += 4) { /* S = Q KT, dP = G VT */
+            int nr = nb - i0 < 4 ? nb - i0 : 4;
+            const float *xq[4], *xg[4];
+            for (int u = 0; u < 4; u++) xq[u] = qs[i0 + (u < nr ? u : 0)], xg[u] = gs[i0 + (u < nr ? u : 0)];
+            for (int64_t j = 0; j <= pmax; j += TJ) {
+                xt_tile(xq, nr, KT, Lp, D, j, S + i0 * Lp, Lp);
+                xt_tile(xg, nr, VT, Lp, D, j, DP + i0 * Lp, Lp);
+            }
+        }
+        for (int i = 0; i < nb; i++) { /* P (in S) and dS (in DP) of row i, 0 past its position */
+            int64_t p = ps[i], j = 0;
+            float *Pi = S + i * Lp, *dSi = DP + i * Lp, m = -INFINITY, l;
+            for (j = 0; j <= p; j++) {
+                Pi[j] *= b->scale;
+                m = Pi[j] > m ? Pi[j] : m;
+            }
             __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
-            int64_t j = 0;
-            float l;
-            for (; j + LANES <= p + 1; j += LANES) {
+            for (j = 0; j + LANES <= p + 1; j += LANES) {
                 __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(Pi + j), mv));
                 _mm256_storeu_ps(Pi + j, e);
                 lv = _mm256_add_ps(lv, e);
@@ -162,21 +243,32 @@ AVX2 static void task_avx2(const bwd *b, int64_t s, int h, float *sc) {
                 Pi[j] = exp_portable(Pi[j] - m);
                 l += Pi[j];
             }
-            float inv = 1.0f / l, delta = hsum(fma_row(gs[i], b->out + at, D, _mm256_setzero_ps()));
+            float inv = 1.0f / l, delta = hsum(fma_row(gs[i], b->out + (qs[i] - b->q), D, _mm256_setzero_ps()));
             for (j = 0; j <= p; j++) {
                 Pi[j] *= inv;
                 dSi[j] = Pi[j] * (dSi[j] - delta) * b->scale;
             }
-            sum_rows(b->dq + at, 0, b->k, ix, NULL, dSi, 1, p + 1, D);
+            for (; j <= pmax; j++) Pi[j] = dSi[j] = 0.0f;
         }
-        for (int64_t j = 0; j <= pmax; j++) { /* the block's rows that read position j, in order */
-            const float *qa[BR], *ga[BR];
-            float ca[BR], pa[BR];
-            int na = 0;
-            for (int i = 0; i < nb; i++)
-                if (ps[i] >= j) qa[na] = qs[i], ga[na] = gs[i], ca[na] = dS[i * L + j], pa[na++] = P[i * L + j];
-            sum_rows(dk + j * D, 1, NULL, NULL, qa, ca, 1, na, D);
-            sum_rows(dv + j * D, 1, NULL, NULL, ga, pa, 1, na, D);
+        for (int i0 = 0; i0 < nb; i0 += 4) { /* dq = dS K, each row over its own positions */
+            int nr = nb - i0 < 4 ? nb - i0 : 4;
+            float *y[4];
+            const float *c[4];
+            int64_t live[4], common = INT64_MAX, n = 0;
+            for (int u = 0; u < 4; u++) {
+                int i = i0 + (u < nr ? u : 0);
+                y[u] = dqs[i], c[u] = DP + i * Lp, live[u] = ps[i] + 1;
+                common = live[u] < common ? live[u] : common;
+                n = live[u] > n ? live[u] : n;
+            }
+            int d0 = 0;
+            for (; d0 + 2 * LANES <= D; d0 += 2 * LANES) rows_tile(y, nr, c, kp, n, common, live, d0, 2);
+            if (d0 < D) rows_tile(y, nr, c, kp, n, common, live, d0, 1);
+        }
+        for (int64_t j0 = 0; j0 <= pmax; j0 += 4) { /* dk += dS^T Q, dv += P^T G */
+            int nj = pmax + 1 - j0 < 4 ? (int)(pmax + 1 - j0) : 4;
+            scatter_block(dk, D, j0, nj, DP, Lp, qs, ps, nb);
+            scatter_block(dv, D, j0, nj, S, Lp, gs, ps, nb);
         }
     }
 }
@@ -195,7 +287,10 @@ int attention_backward_rows(const float *q, const float *k, const float *v, cons
     int64_t tasks = S * Hq;
     if (threads < 1) threads = 1;
     if (tasks < threads) threads = (int)(tasks > 0 ? tasks : 1);
-    int64_t per = 2 * BR * (L > 0 ? L : 1); /* the AVX2 task's P and dS of BR rows (the portable one: L) */
+    int64_t Lp = ((L > 0 ? L : 1) + TJ - 1) / TJ * TJ;
+    /* the AVX2 task's KT, VT [D][Lp], S, dP [BQ][Lp] and Lp row pointers, two floats' room each
+     * (the portable task's: L floats); Lp is even, so the pointers stay 8-byte aligned */
+    int64_t per = (2 * (int64_t)D + 2 * BQ + 2) * Lp;
     float *buf = malloc(sizeof(float) * (size_t)(per * threads));
     if (!buf) return -1;
     int vector = native_vector_path() && D % LANES == 0;

@@ -163,9 +163,9 @@ def test_gradients_match_exact_attention() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 13])
+@pytest.mark.parametrize("d", [64, 24, 13])  # two-vector tiles; a one-vector tail; the portable task
 def test_native_backward_matches_exact_attention_and_is_deterministic(dtype, d) -> None:
-    lens, scale = [1, 30, 7], 0.3
+    lens, scale = [1, 40, 7], 0.3  # 40 rows: three query blocks of the vector task
     q, k, v, ctx = _packed(lens, 6, 2, d, dtype, 7)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -188,6 +188,30 @@ def test_native_backward_matches_exact_attention_and_is_deterministic(dtype, d) 
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
 
 
+@pytest.mark.parametrize("d", [64, 13])
+def test_backward_takes_a_sequences_rows_in_any_order(d) -> None:
+    """Rows need not come in position order: a block mixes early and late rows, and each row still
+    reaches only the positions it read (reversed and shuffled rows against the exact gradient)."""
+    lens, scale = [37, 20], 0.25
+    q, k, v, ctx = _packed(lens, 4, 2, d, torch.float32, 9)
+    kv = ctx.kv(0, k, v)
+    seq, pos = na._row_layout(ctx.batch)
+    k_rows, v_rows = (t.reshape(-1, d) for t in kv.flat())
+    idx = na._index(kv, ctx.batch, 2, k_rows.shape[0], seq, pos)
+    out = na.attention_rows(q, k_rows, v_rows, idx, seq, pos, scale, 8, checked=True)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(_exact(*exact, lens, scale), exact, grad.double())
+    n = q.shape[0]
+    for perm in (torch.arange(n - 1, -1, -1), torch.randperm(n, generator=torch.Generator().manual_seed(1))):
+        dq, dk, dv = na.attention_backward(q[perm], k_rows, v_rows, idx, seq[perm].contiguous(),
+                                           pos[perm].contiguous(), out[perm], grad[perm], scale)
+        got_q = torch.empty_like(dq)
+        got_q[perm] = dq
+        for a, b in zip((got_q, dk.view(k.shape), dv.view(v.shape)), want, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
 def test_a_rows_non_finite_gradient_reaches_only_the_positions_it_read() -> None:
     q, k, v, ctx = _packed([6], 2, 1, 16, torch.float32, 3)
     kv = ctx.kv(0, k, v)
@@ -199,6 +223,11 @@ def test_a_rows_non_finite_gradient_reaches_only_the_positions_it_read() -> None
     grad[0] = math.inf  # row 0 reads position 0 only; rows 1..5 share its block in the kernel
     _, dk, dv = na.attention_backward(q, k_rows, v_rows, idx, seq, pos, out, grad, 0.25)
     assert not torch.isfinite(dv[0]).all() and torch.isfinite(dk[1:]).all() and torch.isfinite(dv[1:]).all()
+    # a non-finite key or value at position 4 reaches no query row before it
+    bad_k, bad_v = k_rows.clone(), v_rows.clone()
+    bad_k[4], bad_v[4] = math.inf, math.nan
+    dq, _, _ = na.attention_backward(q, bad_k, bad_v, idx, seq, pos, out, grad.clamp(-1, 1), 0.25)
+    assert torch.isfinite(dq[:4]).all() and not torch.isfinite(dq[4:]).all()
     with pytest.raises(ValueError, match="int64 and contiguous"):
         na.attention_backward(q, k_rows, v_rows, idx.int(), seq, pos, out, grad, 0.25)
 
