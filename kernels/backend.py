@@ -146,6 +146,31 @@ def divide_by_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     return logits / temperature[:, None]
 
 
+class TokenLogprobs(torch.autograd.Function):
+    """``Backend.token_logprobs`` under autograd. Forward: ``logprobs`` (called with autograd off,
+    so its bits are the no-grad path's) and the gather; the full log-softmax is saved. Backward, for
+    the gradient ``g`` of row n's token logprob: ``d logits = (onehot(target) - softmax) * g / t``,
+    computed in place in the saved log-softmax (one exp pass, one scale pass, one scatter), then the
+    two GEMMs of the LM head in fp32. A second backward through the same graph is refused by
+    autograd (the saved tensor has changed), never silently wrong."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,  # type: ignore[override]
+                logprobs: object) -> Tensor:
+        lp = logprobs(hidden, lm_head, temperature)  # type: ignore[operator]
+        ctx.save_for_backward(hidden, lm_head, lp, temperature, targets)
+        return lp.gather(1, targets[:, None])[:, 0]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, lm_head, lp, temperature, targets = ctx.saved_tensors
+        scale = (grad.float() / temperature.float())[:, None]
+        dlogits = lp.exp_().mul_(-scale).scatter_add_(1, targets[:, None], scale)
+        gx = dlogits.mm(lm_head.float()).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        gw = dlogits.t().mm(hidden.float()).to(lm_head.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None
+
+
 def fold_chunks(partials: Tensor) -> Tensor:
     """The canonical reduction: ``partials [C, ...]`` summed left to right in chunk order in fp32."""
     acc = partials[0].float()
@@ -241,3 +266,14 @@ class Backend(ABC):
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         """fp32 log-softmax of ``(hidden @ lm_head.T) / temperature`` over the full vocabulary;
         ``temperature`` is a per-row fp32 tensor ``[N]``."""
+
+    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
+        """fp32 ``[N]``: ``logprobs(hidden, lm_head, temperature)`` at each row's ``targets`` (int64
+        ``[N]``), with the bits of that gather. Under autograd the forward is :meth:`logprobs` itself
+        and the backward is the analytic gradient in place over the saved log-softmax
+        (``TokenLogprobs``), instead of autograd's gather / log-softmax / division backward passes,
+        each a fresh ``[N, V]`` tensor."""
+        differentiable = hidden.requires_grad or lm_head.requires_grad
+        if torch.is_grad_enabled() and differentiable and not temperature.requires_grad:
+            return TokenLogprobs.apply(hidden, lm_head, temperature, targets, self.logprobs)
+        return self.logprobs(hidden, lm_head, temperature).gather(1, targets[:, None])[:, 0]

@@ -135,3 +135,9 @@ class CausalLM(nn.Module):
     def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None) -> Tensor:
         """fp32 log-softmax over the vocabulary of the rows of ``hidden`` at per-row ``temperature``."""
         return (ops or self.ops).logprobs(hidden, self.lm_head_fp32(), temperature)
+
+    def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor,
+                       ops: Backend | None = None) -> Tensor:
+        """fp32 ``[N]``: :meth:`logprobs` at each row's ``targets``, the same bits (the trainer's
+        path: under autograd its backward skips the ``[N, V]`` intermediates)."""
+        return (ops or self.ops).token_logprobs(hidden, self.lm_head_fp32(), temperature, targets)

@@ -74,8 +74,8 @@ def pack_logprobs(model: CausalLM, seqs: Sequence[ScoredSequence], ops: Backend 
         temps.extend([s.temperature] * len(s.token_ids))
         start += s.input_len
     row_idx = torch.cat(rows).to(device)
-    lp = model.logprobs(hidden[row_idx], torch.tensor(temps, dtype=torch.float32, device=device), ops)
-    tok = lp.gather(1, torch.tensor(targets, dtype=torch.int64, device=device)[:, None])[:, 0]
+    tok = model.token_logprobs(hidden[row_idx], torch.tensor(temps, dtype=torch.float32, device=device),
+                               torch.tensor(targets, dtype=torch.int64, device=device), ops)
     return list(tok.split([len(s.token_ids) for s in seqs]))
 
 

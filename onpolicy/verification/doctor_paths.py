@@ -183,6 +183,10 @@ class _Tap:
             self.last_lp = self.model.logprobs(hidden, temperature, self.ops)
         return self.last_lp
 
+    def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor, ops: object = None) -> Tensor:
+        with self.ops.log.scope("lm_head", self.lm_rows(self.forward_rows, int(hidden.shape[0]))):
+            return self.model.token_logprobs(hidden, temperature, targets, self.ops)
+
 
 class _ForcedRunner(ModelRunner):
     """The engine's model runner, teacher-forced: the known next token replaces the sampled one."""
