@@ -228,8 +228,8 @@ void rowdot_chunked(const void *x, int x_bf16, int64_t ldx, const void *w, int w
     int64_t tasks = ntasks * mtasks;
     threads = team(threads, tasks);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t mt = t / ntasks, nt = t % ntasks;
+    for (int64_t t = 0; t < tasks; t++) { /* weight-block-major: a thread's next task reuses the rows of w in cache */
+        int64_t nt = t / mtasks, mt = t % mtasks;
         int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < N ? n0 + NBLOCK : N;
         int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
         for (int ch = 0; ch < (chunk_outer ? chunks : 1); ch++) {
@@ -263,8 +263,8 @@ int rowdot_group(const void *x, int x_bf16, int64_t ldx, int64_t K, int nw, cons
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         int s = task_weight(first, t);
-        int64_t ntasks = ceil_div(ns[s], NBLOCK), local = t - first[s];
-        int64_t mt = local / ntasks, nt = local % ntasks;
+        int64_t local = t - first[s];
+        int64_t nt = local / mtasks, mt = local % mtasks; /* weight-block-major, as rowdot_chunked */
         int64_t n0 = nt * NBLOCK, n1 = n0 + NBLOCK < ns[s] ? n0 + NBLOCK : ns[s];
         int64_t m0 = mt * MBLOCK, m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
         geom g = {(size_t)ldx * xs, (size_t)ldw[s] * wsz, 0, 0, K, 1, 0, ns[s], 0, 0};
