@@ -347,20 +347,22 @@ class _RowdotGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, *weights: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)  # an unused output's weight gets None, as its own linear's would
         return tuple(y.to(x.dtype) for y in rowdot_group(x, weights))
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, *weights = ctx.saved_tensors
-        gs = [_fp32(g) for g in grads]  # each widened once for both GEMMs
+        gs = [None if g is None else _fp32(g) for g in grads]  # each widened once for both GEMMs
+        used = [(g, w) for g, w in zip(gs, weights, strict=True) if g is not None]
         gx = None
-        if ctx.needs_input_grad[0]:
-            gx = _grad_mm(gs[0], weights[0])
-            for g, w in zip(gs[1:], weights[1:], strict=True):
+        if ctx.needs_input_grad[0] and used:
+            gx = _grad_mm(*used[0])
+            for g, w in used[1:]:
                 gx.addmm_(g, _fp32(w))
             gx = gx.to(x.dtype)
         xf = _fp32(x) if any(ctx.needs_input_grad[1:]) else x
-        gws = [_grad_mm(g.t(), xf).to(w.dtype) if need else None
+        gws = [_grad_mm(g.t(), xf).to(w.dtype) if need and g is not None else None
                for g, w, need in zip(gs, weights, ctx.needs_input_grad[1:], strict=True)]
         return (gx, *gws)
 

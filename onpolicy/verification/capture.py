@@ -201,6 +201,10 @@ class CapturingBackend(Backend):
         self._rec("logprobs", {"hidden": hidden, "lm_head": lm_head, "temperature": temperature}, y)
         return y
 
+    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
+        # the recorded log-softmax must stay what it was: TokenLogprobs' backward would overwrite it
+        return self.logprobs(hidden, lm_head, temperature).gather(1, targets[:, None])[:, 0]
+
 
 @contextmanager
 def capture_modules(model: nn.Module, log: CaptureLog) -> Iterator[CaptureLog]:

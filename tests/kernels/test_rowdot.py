@@ -242,6 +242,20 @@ def test_linears_keeps_each_linear_and_its_gradient(dtype, need) -> None:
         assert g is None or torch.equal(g, r)  # each weight's own GEMM
 
 
+def test_an_unused_output_of_a_group_leaves_its_weight_without_a_gradient() -> None:
+    """As separate linears would: None, not zeros (optimizers treat the two differently)."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 16, generator=gen).requires_grad_()
+    ws = [torch.randn(n, 16, generator=gen).requires_grad_() for n in (8, 4, 8)]
+    q, _, v = native.linears(x, ws)
+    (q.sum() + v.sum()).backward()
+    assert ws[1].grad is None and ws[0].grad is not None and ws[2].grad is not None
+    assert torch.allclose(x.grad, (ws[0].sum(0) + ws[2].sum(0)).detach().expand(5, 16), rtol=1e-5, atol=1e-5)
+    (k,) = native.linears(x, ws[1:2])
+    k.sum().backward()  # a group of one
+    assert torch.allclose(ws[1].grad, x.detach().sum(0).expand(4, 16), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights,match", [
     ([torch.randn(3, 7)], "need 8 columns"),
     ([torch.randn(3, 8), torch.randn(3, 8).bfloat16()], "one dtype"),

@@ -56,3 +56,21 @@ def test_only_the_operands_that_need_a_gradient_get_one_and_a_second_backward_is
     assert h.grad is not None and lm_head.grad is None
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         lp.sum().backward()
+
+
+def test_the_doctors_capture_keeps_the_log_softmax_it_recorded() -> None:
+    """A capture under autograd records ``logprobs``; the backward must not overwrite that record
+    (the capturing backend gathers instead of running ``TokenLogprobs``' in-place backward)."""
+    from onpolicy.verification.capture import CaptureLog, CapturingBackend
+
+    log = CaptureLog()
+    log.begin_forward(torch.arange(6))
+    ops = CapturingBackend(get_backend(KernelConfig()), log)
+    hidden, lm_head, temperature, targets = _operands(torch.float32, [1.0] * 6)
+    h = hidden.clone().requires_grad_()
+    lp = ops.token_logprobs(h, lm_head, temperature, targets)
+    (call,) = [c for c in log.calls if c.op == "logprobs"]
+    recorded = call.output.detach().clone()
+    lp.sum().backward()
+    assert h.grad is not None and torch.equal(call.output.detach(), recorded)
+    assert torch.equal(lp.detach(), recorded.gather(1, targets[:, None])[:, 0])
