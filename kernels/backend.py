@@ -146,6 +146,11 @@ def divide_by_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     return logits / temperature[:, None]
 
 
+def at_targets(logprobs: Tensor, targets: Tensor) -> Tensor:
+    """``logprobs [N, V]`` at each row's ``targets [N]`` (int64): ``[N]``."""
+    return logprobs.gather(1, targets[:, None])[:, 0]
+
+
 class TokenLogprobs(torch.autograd.Function):
     """``Backend.token_logprobs`` under autograd. Forward: ``logprobs`` (called with autograd off,
     so its bits are the no-grad path's) and the gather; the full log-softmax is saved. Backward, for
@@ -159,7 +164,7 @@ class TokenLogprobs(torch.autograd.Function):
                 logprobs: object) -> Tensor:
         lp = logprobs(hidden, lm_head, temperature)  # type: ignore[operator]
         ctx.save_for_backward(hidden, lm_head, lp, temperature, targets)
-        return lp.gather(1, targets[:, None])[:, 0]
+        return at_targets(lp, targets)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -276,4 +281,4 @@ class Backend(ABC):
         differentiable = hidden.requires_grad or lm_head.requires_grad
         if torch.is_grad_enabled() and differentiable and not temperature.requires_grad:
             return TokenLogprobs.apply(hidden, lm_head, temperature, targets, self.logprobs)
-        return self.logprobs(hidden, lm_head, temperature).gather(1, targets[:, None])[:, 0]
+        return at_targets(self.logprobs(hidden, lm_head, temperature), targets)

@@ -272,16 +272,12 @@ def rowdot_packed(x: Tensor, packed: Sequence[tuple[Tensor, int]], *, chunks: in
     return ys
 
 
-def _fp32(t: Tensor) -> Tensor:
-    return t.float()
-
-
 def _grad_mm(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` of a backward pass, in fp32: bf16 operands are widened (exact) and multiplied with
     fp32 accumulation, one rounding when the caller casts the result. torch's bf16 GEMM accumulates
     in fp32 too, but on a CPU without bf16 instructions it runs about 100× slower than the fp32 one
     (gradients carry no bitwise contract; this one is deterministic for a given shape)."""
-    return _fp32(a).mm(_fp32(b))
+    return a.float().mm(b.float())
 
 
 class _Rowdot(torch.autograd.Function):
@@ -298,7 +294,7 @@ class _Rowdot(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         x, chunks = ctx.saved_tensors
         c, n, kc = chunks.shape
-        grad = _fp32(grad)  # widened once for both GEMMs
+        grad = grad.float()  # widened once for both GEMMs
         gx = gw = None
         if ctx.fold:  # every chunk sees the same gradient: one GEMM over the whole K for each operand
             if ctx.needs_input_grad[0]:
@@ -351,17 +347,17 @@ class _RowdotGroup(torch.autograd.Function):
         return tuple(y.to(x.dtype) for y in rowdot_group(x, weights))
 
     @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, *weights = ctx.saved_tensors
-        gs = [None if g is None else _fp32(g) for g in grads]  # each widened once for both GEMMs
+        gs = [None if g is None else g.float() for g in grads]  # each widened once for both GEMMs
         used = [(g, w) for g, w in zip(gs, weights, strict=True) if g is not None]
         gx = None
         if ctx.needs_input_grad[0] and used:
             gx = _grad_mm(*used[0])
             for g, w in used[1:]:
-                gx.addmm_(g, _fp32(w))
+                gx.addmm_(g, w.float())
             gx = gx.to(x.dtype)
-        xf = _fp32(x) if any(ctx.needs_input_grad[1:]) else x
+        xf = x.float() if any(ctx.needs_input_grad[1:]) else x
         gws = [_grad_mm(g.t(), xf).to(w.dtype) if need and g is not None else None
                for g, w, need in zip(gs, weights, ctx.needs_input_grad[1:], strict=True)]
         return (gx, *gws)
@@ -376,8 +372,6 @@ def linears(x: Tensor, weights: Sequence[Tensor]) -> list[Tensor]:
             or len({w.dtype for w in weights}) != 1):
         return [linear(x, w) for w in weights]
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        if x.dim() != 2 or any(w.dim() != 2 or w.shape[1] != x.shape[1] for w in weights):
-            return [linear(x, w) for w in weights]  # linear's own shape error
-        return list(_RowdotGroup.apply(x, *weights))
+        return list(_RowdotGroup.apply(x, *weights))  # rowdot_group checks the shapes
     ys = rowdot_group(x, weights)  # checks the shapes
     return ys if x.dtype == torch.float32 else [y.to(x.dtype) for y in ys]

@@ -24,7 +24,6 @@
 #define BQ 16 /* query rows per block in the AVX2 task */
 #define TJ 16 /* positions per S / dP tile in the AVX2 task (two vectors) */
 
-
 typedef struct {
     const float *q, *k, *v, *grad, *out; /* q, grad, out [N, Hq, D]; k, v: storage rows of D */
     const int64_t *idx;                  /* [S, Hkv, L] */

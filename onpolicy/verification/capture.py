@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import AttentionBatch, Backend, KernelConfig, KVSource, MoERouting, PagedKV
+from onpolicy.kernels.backend import at_targets
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"\.experts\.(\d+)(?:\.|$)")
@@ -203,7 +204,7 @@ class CapturingBackend(Backend):
 
     def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
         # the recorded log-softmax must stay what it was: TokenLogprobs' backward would overwrite it
-        return self.logprobs(hidden, lm_head, temperature).gather(1, targets[:, None])[:, 0]
+        return at_targets(self.logprobs(hidden, lm_head, temperature), targets)
 
 
 @contextmanager
