@@ -268,9 +268,20 @@ class Backend(ABC):
         """Weighted sum of ``expert_out [N, k, H]`` over the k ranks."""
 
     @abstractmethod
+    def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        """fp32 logits ``hidden @ lm_head.T`` ``[N, V]`` (the LM head of :meth:`logprobs`)."""
+
+    def logprobs_of_logits(self, logits: Tensor, temperature: Tensor) -> Tensor:
+        """fp32 log-softmax of fresh fp32 ``logits [N, V] / temperature[:, None]`` (the second half of
+        :meth:`logprobs`; may divide ``logits`` in place)."""
+        return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)
+
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         """fp32 log-softmax of ``(hidden @ lm_head.T) / temperature`` over the full vocabulary;
-        ``temperature`` is a per-row fp32 tensor ``[N]``."""
+        ``temperature`` is a per-row fp32 tensor ``[N]``: :meth:`lm_logits`, then
+        :meth:`logprobs_of_logits` (an engine that computes the logits in one place and samples in
+        another, like vLLM, calls the two halves and gets these bits)."""
+        return self.logprobs_of_logits(self.lm_logits(hidden, lm_head), temperature)
 
     def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
         """fp32 ``[N]``: ``logprobs(hidden, lm_head, temperature)`` at each row's ``targets`` (int64

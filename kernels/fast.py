@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .backend import Backend, MoERouting, divide_by_temperature
+from .backend import Backend, MoERouting
 from .kv import AttentionBatch, KVSource
 from .reference.attention import group_queries, ungroup
 from .reference.elementwise import rmsnorm, rope
@@ -52,6 +52,5 @@ class FastBackend(Backend):
     def moe_combine(self, expert_out: Tensor, routing: MoERouting) -> Tensor:
         return (expert_out * routing.weights[..., None].to(expert_out.dtype)).sum(1)
 
-    def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
-        logits = F.linear(hidden, lm_head.to(hidden.dtype)).float()
-        return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)
+    def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        return F.linear(hidden, lm_head.to(hidden.dtype)).float()

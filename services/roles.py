@@ -36,7 +36,7 @@ class RoleOptions:
     rollout_kernel_fingerprint: str = ""
     """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
     engine: str = "onpolicy"
-    """Rollout: ``onpolicy`` or an external engine (``vllm-ascend``; ``onpolicy.rollout.external``)."""
+    """Rollout: ``onpolicy`` or ``vllm`` (``onpolicy.rollout.engines``)."""
     rollout_tp: int = 1
     """Rollout: tensor-parallel degree (``onpolicy.parallel.mirrored``: peer ranks are Ray actors it starts)."""
     rollout_ep: int = 1

@@ -180,15 +180,21 @@ class AscendBackend(Backend):
         r = MoERouting(weights=self._dev(routing.weights), experts=self._dev(routing.experts))
         return self._home(moe.combine(self._dev(expert_out), r), expert_out)
 
+    def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        return self._home(self._matmul(self._dev(hidden).float(), self._dev(lm_head).float()), hidden)
+
+    def logprobs_of_logits(self, logits: Tensor, temperature: Tensor) -> Tensor:
+        z, t = self._dev(logits).float(), self._dev(temperature).float()
+        out = self._kernel(lambda a, c: self._ops.log_softmax(a.contiguous(), c.contiguous()),
+                           lambda a, c: torch.log_softmax(a / c[:, None], dim=-1), z, t)
+        return self._home(out, logits)
+
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
+        if self.provider is not Provider.VENDOR:
+            return super().logprobs(hidden, lm_head, temperature)
         h, w, t = self._dev(hidden).float(), self._dev(lm_head).float(), self._dev(temperature).float()
-        if self.provider is Provider.VENDOR:
-            out = self._kernel(lambda a, b, c: vendor.logprobs(a, b, c, self.config.row_tile),
-                               lambda a, b, c: torch.log_softmax((a @ b.t()) / c[:, None], dim=-1), h, w, t)
-        else:
-            logits = self._matmul(h, w)
-            out = self._kernel(lambda a, c: self._ops.log_softmax(a.contiguous(), c.contiguous()),
-                               lambda a, c: torch.log_softmax(a / c[:, None], dim=-1), logits, t)
+        out = self._kernel(lambda a, b, c: vendor.logprobs(a, b, c, self.config.row_tile),
+                           lambda a, b, c: torch.log_softmax((a @ b.t()) / c[:, None], dim=-1), h, w, t)
         return self._home(out, hidden)
 
     def attention(self, q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..backend import SINGLE, Backend, DenseStack, MoERouting, RowWeight, ShardGroup, divide_by_temperature
+from ..backend import SINGLE, Backend, DenseStack, MoERouting, RowWeight, ShardGroup
 from ..kv import AttentionBatch, KVSource, PagedCacheWrite
 from ..native import rowwise
 from ..native.attention import attention as native_attention
@@ -77,10 +77,9 @@ class ReferenceBackend(Backend):
     def moe_combine(self, expert_out: Tensor, routing: MoERouting) -> Tensor:
         return moe.combine(expert_out, routing)
 
-    def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
+    def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
         # fp32 logits; a bf16 LM head is widened inside rowdot (exact) instead of copied to fp32
-        logits = native.linear(hidden.float(), lm_head)
-        return torch.log_softmax(divide_by_temperature(logits, temperature), dim=-1)
+        return native.linear(hidden.float(), lm_head)
 
 
 #: The operators ``decoder_stack`` runs natively in their place.

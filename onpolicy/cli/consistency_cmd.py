@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.rollout.engines import ENGINES, OWN_ENGINE
 from onpolicy.verification.consistency import run_consistency
 
 from .common import add_model_args, emit_json, fail, kernel_config, load
+from .generate_cmd import check_engine_available
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedules", type=int, default=3, help="randomized continuous-batching schedules (default 3)")
+    p.add_argument("--engine", choices=list(ENGINES), default=OWN_ENGINE,
+                   help="onpolicy (default) or vllm: the batch-invariance suite on vLLM with our operators "
+                        "(--kernels fast: vLLM's own kernels, the negative control that must fail)")
     for role in ("rollout", "trainer"):
         p.add_argument(f"--{role}-tp", type=int, default=1, help=f"{role} tensor-parallel degree (default 1)")
         p.add_argument(f"--{role}-ep", type=int, default=1, help=f"{role} expert-parallel degree (default 1)")
@@ -84,27 +89,21 @@ def _run_parallel(args: argparse.Namespace, lm: LoadedModel, config: KernelConfi
     return 0 if report["passed"] else 1
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("requests", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1")
-    if args.schedules < 0:
-        fail("--schedules must be >= 0")
-    config = kernel_config(args)
-    lm = load(args, config)
-    _check_degrees(args, lm, config)
+def _run_engine_suite(args: argparse.Namespace, config: KernelConfig, log: Callable[[str], None]) -> int:
+    """The batch-invariance suite on the vLLM engine; the training path on the consistent operators."""
+    from onpolicy.rollout.vllm.engine import VllmEngine
+    from onpolicy.verification.batch_invariance import run_batch_invariance
 
-    def log(msg: str) -> None:
-        if not args.json:
-            print(msg, file=sys.stderr, flush=True)
-
-    if any(v > 1 for v in _degrees(args).values()):
-        return _run_parallel(args, lm, config, log)
-
-    log(f"consistency check of {lm.name} with {config.fingerprint}: {args.requests} requests x "
+    trainer_lm = load(args, config.with_(backend="reference"))
+    mirror = trainer_lm if config.consistent else load(args, config)
+    log(f"batch-invariance suite of {trainer_lm.name} on vLLM with {config.fingerprint}: {args.requests} targets x "
         f"{args.max_new_tokens} new tokens")
-    report = run_consistency(lm, requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                             schedules=args.schedules, log=log)
+    report = run_batch_invariance(lambda cfg: VllmEngine(args.model, config, cfg, lm=mirror), trainer_lm,
+                                  requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed, log=log)
+    return _verdict(args, report)
+
+
+def _verdict(args: argparse.Namespace, report) -> int:
     if args.json:
         emit_json(report.to_dict())
     else:
@@ -113,3 +112,33 @@ def run(args: argparse.Namespace) -> int:
               f"max |logdiff| {report.max_abs_logdiff:.3g}, {len(report.schedules)} schedules "
               f"({report.schedule_mismatches} differing from the alone run)")
     return 0 if report.passed else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("requests", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1")
+    if args.schedules < 0:
+        fail("--schedules must be >= 0")
+    if args.engine != OWN_ENGINE and any(v > 1 for v in _degrees(args).values()):
+        fail(f"--engine {args.engine}: parallel degrees apply to the onpolicy engine only")
+    check_engine_available(args)
+    config = kernel_config(args)
+
+    def log(msg: str) -> None:
+        if not args.json:
+            print(msg, file=sys.stderr, flush=True)
+
+    if args.engine != OWN_ENGINE:
+        return _run_engine_suite(args, config, log)
+    lm = load(args, config)
+    _check_degrees(args, lm, config)
+
+    if any(v > 1 for v in _degrees(args).values()):
+        return _run_parallel(args, lm, config, log)
+
+    log(f"consistency check of {lm.name} with {config.fingerprint}: {args.requests} requests x "
+        f"{args.max_new_tokens} new tokens")
+    report = run_consistency(lm, requests=args.requests, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                             schedules=args.schedules, log=log)
+    return _verdict(args, report)

@@ -9,12 +9,16 @@ from pathlib import Path
 
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
-from onpolicy.rollout.engine import EngineStats
+from onpolicy.rollout.engines import ENGINES, OWN_ENGINE, EngineUnavailable, check_engine
+from onpolicy.rollout.interface import Engine, EngineSnapshot
 
 from .common import add_model_args, emit_json, fail, kernel_config, load
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=list(ENGINES), default=OWN_ENGINE,
+                   help="rollout engine: onpolicy (default) or vllm (vLLM with our operators; --kernels fast: "
+                        "vLLM's own kernels; needs scripts/setup.sh --vllm)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch (default 32)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token rows per step (default 2048)")
     p.add_argument("--prefix-cache", choices=["on", "off"], default="on")
@@ -46,6 +50,26 @@ def engine_config(args: argparse.Namespace, need_tokens: int | None = None) -> E
                             prefix_cache=args.prefix_cache == "on", kv_cache_tokens=tokens)
     except ValueError as e:
         fail(str(e))
+
+
+def check_engine_available(args: argparse.Namespace) -> None:
+    """Exit 2 naming what is missing when ``--engine`` cannot run here (before any model is loaded)."""
+    try:
+        check_engine(args.engine)
+    except EngineUnavailable as e:
+        fail(str(e))
+
+
+def build_engine(args: argparse.Namespace, lm: LoadedModel, config: EngineConfig) -> Engine:
+    """The ``--engine`` on ``lm`` (the vLLM engine reads the model itself and keeps ``lm`` as its mirror)."""
+    if args.engine == OWN_ENGINE:
+        return RolloutEngine(lm, config)
+    from onpolicy.rollout.vllm.engine import VllmEngine
+
+    try:
+        return VllmEngine(args.model, lm.model.ops.config, config, lm=lm)
+    except ValueError as e:
+        fail(str(e).splitlines()[0])
 
 
 def read_prompts(args: argparse.Namespace, lm: LoadedModel) -> list[list[int]]:
@@ -93,15 +117,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         fail(str(e))
     engine_config(args)  # validate engine options before loading the model
+    check_engine_available(args)
     config = kernel_config(args)
     lm = load(args, config)
     prompts = read_prompts(args, lm)
     page = config.kv_tile
     need = sum(-(-(len(p) + args.max_new_tokens) // page) * page for p in prompts) * args.n
-    engine = RolloutEngine(lm, engine_config(args, need))
+    engine = build_engine(args, lm, engine_config(args, need))
     last = [0.0]
 
-    def progress(stats: EngineStats, done: int, total: int) -> None:
+    def progress(stats: EngineSnapshot, done: int, total: int) -> None:
         if stats.seconds - last[0] >= 1.0 or done == total:
             last[0] = stats.seconds
             rate = stats.tokens_generated / stats.seconds if stats.seconds else 0.0

@@ -49,8 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_server_args(p, 0)
     p.add_argument("--model", default="smollm2", help="model of a rollout/trainer/verifier service")
     p.add_argument("--kernels", default="consistent", help="consistent | fast (rollout only)")
-    p.add_argument("--engine", choices=["onpolicy", "vllm-ascend"], default="onpolicy",
-                   help="rollout engine: vllm-ascend runs vLLM on Ascend NPUs with our operators (its own image)")
+    p.add_argument("--engine", choices=["onpolicy", "vllm", "vllm-ascend"], default="onpolicy",
+                   help="rollout engine: vllm runs vLLM with our operators (scripts/setup.sh --vllm; --kernels fast: "
+                        "vLLM's own kernels); vllm-ascend: the same on Ascend NPUs (its own image)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv-tile", type=int, default=64)
     p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
@@ -66,6 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kernels", choices=["consistent", "fast"], default="consistent",
                    help="rollout kernels: fast shows the verifier catching a mismatch")
+    p.add_argument("--engine", choices=["onpolicy", "vllm"], default="onpolicy",
+                   help="rollout engine: vllm runs the rollout on vLLM with our operators (scripts/setup.sh --vllm)")
     p.add_argument("--state-dir", help="keep controller state here (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="one JSON object per job event per line")
     add_metrics_args(p, "the demo job's services")
@@ -196,15 +199,23 @@ def serve(args: argparse.Namespace) -> int:
         server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
                                                args.ray_address, token, hub, args.service_host, args.max_restarts)
     else:
+        from onpolicy.rollout.engines import EngineUnavailable, check_engine
         from onpolicy.services.roles import RoleOptions, start_role
 
         backend = "fast" if args.kernels == "fast" else "reference"
         if args.engine != "onpolicy":
-            if args.role != "rollout" or args.kernels == "fast":
-                fail(f"--engine {args.engine} applies to the rollout role with consistent kernels only")
-            backend = "ascend"  # the external engine runs our Ascend operators
+            if args.role != "rollout":
+                fail(f"--engine {args.engine} applies to the rollout role only")
+            try:
+                check_engine(args.engine)
+            except EngineUnavailable as e:
+                fail(str(e))
+            if args.engine == "vllm-ascend":
+                if args.kernels == "fast":
+                    fail("--engine vllm-ascend runs the onpolicy Ascend operators: --kernels fast does not apply")
+                backend = "ascend"  # vLLM on Ascend runs our Ascend operators
         opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile,
-                           weights_fingerprint_backend=backend if args.engine != "onpolicy" else "reference",
+                           weights_fingerprint_backend=backend if args.engine == "vllm-ascend" else "reference",
                            engine=args.engine)
         if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
             fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
@@ -230,13 +241,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_spec(model: str, steps: int, kernels: str) -> dict[str, Any]:
+def demo_spec(model: str, steps: int, kernels: str, engine: str = "onpolicy") -> dict[str, Any]:
     """The demo job (examples/jobs/demo.yaml with the model, steps and rollout kernels given)."""
     return {"name": "demo", "model": model, "steps": steps,
             "dataset": {"kind": "arithmetic", "size": 64, "max_operand": 20, "seed": 0},
             "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "length_penalty", "weight": 0.1}],
             "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": 1e-5},
-            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels}}
+            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels, "engine": engine}}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -252,8 +263,15 @@ def demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         fail("--steps must be >= 1")
+    if args.engine != "onpolicy":
+        from onpolicy.rollout.engines import EngineUnavailable, check_engine
+
+        try:
+            check_engine(args.engine)
+        except EngineUnavailable as e:
+            fail(str(e))
     try:
-        spec = parse_spec(demo_spec(args.model, args.steps, args.kernels))
+        spec = parse_spec(demo_spec(args.model, args.steps, args.kernels, args.engine))
     except SpecError as e:
         fail(str(e))
     token = secrets.token_urlsafe(24)  # the demo's services require a bearer token, like production

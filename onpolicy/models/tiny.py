@@ -1,4 +1,5 @@
-"""Tiny random checkpoints of every family (``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``).
+"""Tiny random checkpoints of every family (``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, head_dim 16;
+the same with ``-hd32``: head_dim 32, the smallest vLLM's CPU attention runs).
 
 Built offline with transformers' own config and model classes from a fixed seed, saved as HF
 directories (config.json + safetensors + a byte-level tokenizer) and cached under
@@ -34,6 +35,13 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
                                          decoder_sparse_step=1)),
 }
+# head_dim 32: the smallest vLLM's CPU attention accepts (its tests use these)
+_HD32: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+SPECS.update({
+    "tiny-llama-hd32": ("llama", dict(SPECS["tiny-llama"][1], **_HD32)),
+    "tiny-qwen3-hd32": ("qwen3", dict(SPECS["tiny-qwen3"][1], **_HD32)),
+    "tiny-qwen3-moe-hd32": ("qwen3_moe", dict(SPECS["tiny-qwen3-moe"][1], **_HD32, moe_intermediate_size=64)),
+})
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -12,6 +12,7 @@ import torch
 from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 
 from .block_manager import BlockManager
+from .interface import EngineSnapshot, validate_request
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -46,6 +47,10 @@ class EngineStats:
 
 
 class RolloutEngine:
+    """Our own engine (``Engine``): scheduler, block manager and model runner on the operator set."""
+
+    name = "onpolicy"
+
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None) -> None:
         self.lm = lm
         self.config = config or EngineConfig()
@@ -63,7 +68,7 @@ class RolloutEngine:
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens)
         self.runner = ModelRunner(lm.model, self.cache)
         self.weight_version = 0
-        self.stats = EngineStats()
+        self.counters = EngineStats()
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
 
@@ -71,20 +76,23 @@ class RolloutEngine:
     def capacity_tokens(self) -> int:
         return self.blocks.num_pages * self.blocks.page_size
 
+    @property
+    def fingerprint(self) -> str:
+        return self.lm.model.ops.config.fingerprint
+
+    def stats(self) -> EngineSnapshot:
+        c, sched, blocks = self.counters, self.scheduler, self.blocks
+        used = sum(1 for r in list(blocks.ref) if r > 0)
+        return EngineSnapshot(steps=c.steps, tokens_computed=c.tokens_computed, tokens_generated=c.tokens_generated,
+                              seconds=c.seconds, waiting=len(sched.waiting), running=len(sched.running),
+                              kv_usage=used / blocks.num_pages, prefix_cache_hits=blocks.hits,
+                              preemptions=sched.num_preemptions)
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        cfg = self.lm.config
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < cfg.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if len(prompt_ids) >= cfg.max_position_embeddings:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's "
-                             f"{cfg.max_position_embeddings} positions")
-        if total > self.capacity_tokens:
-            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache capacity "
-                             f"({self.capacity_tokens} tokens)")
+        validate_request(self.lm.config, self.capacity_tokens, prompt_ids, params)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int = 0) -> list[int]:
         """Queue ``params.n`` samples of one prompt; returns their sequence ids."""
@@ -137,10 +145,10 @@ class RolloutEngine:
                 self.scheduler.finish(seq, reason)
                 done.append(self._completion(seq))
                 del self._seqs[seq.seq_id]
-        self.stats.steps += 1
-        self.stats.tokens_computed += out.num_tokens
-        self.stats.tokens_generated += len(sampled)
-        self.stats.seconds += time.perf_counter() - t0
+        self.counters.steps += 1
+        self.counters.tokens_computed += out.num_tokens
+        self.counters.tokens_generated += len(sampled)
+        self.counters.seconds += time.perf_counter() - t0
         return done
 
     def _completion(self, seq: Sequence) -> Completion:
@@ -150,7 +158,7 @@ class RolloutEngine:
                           temperature=seq.params.logprob_temperature)
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams,
-                 progress: Callable[[EngineStats, int, int], None] | None = None) -> list[Completion]:
+                 progress: Callable[[EngineSnapshot, int, int], None] | None = None) -> list[Completion]:
         """Run prompts to completion; completions come back ordered by (prompt, sample index)."""
         total = 0
         for i, p in enumerate(prompts):
@@ -159,7 +167,7 @@ class RolloutEngine:
         while self.has_unfinished():
             done.extend(self.step())
             if progress:
-                progress(self.stats, len(done), total)
+                progress(self.stats(), len(done), total)
         return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -167,5 +175,5 @@ class RolloutEngine:
         if self.has_unfinished():
             raise RuntimeError("cannot update weights while requests are in flight")
         copy_weights_(self.lm.model, state)
-        self.blocks.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.weight_version = version

@@ -197,6 +197,12 @@ class CapturingBackend(Backend):
         self._rec("moe_combine", {"expert_out": expert_out, "routing": routing}, y)
         return y
 
+    def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        return self.inner.lm_logits(hidden, lm_head)
+
+    def logprobs_of_logits(self, logits: Tensor, temperature: Tensor) -> Tensor:
+        return self.inner.logprobs_of_logits(logits, temperature)
+
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         y = self.inner.logprobs(hidden, lm_head, temperature)
         self._rec("logprobs", {"hidden": hidden, "lm_head": lm_head, "temperature": temperature}, y)

@@ -68,7 +68,7 @@ class RolloutMetrics:
 
     def collect(self) -> Iterator[Metric]:
         engine = self.servicer.engine
-        st, sched, blocks = engine.stats, engine.scheduler, engine.blocks
+        st = engine.stats()
         lab = list(self.labels)
         p = "onpolicy_rollout_"
         yield _family("counter", p + "tokens_generated", "Sampled tokens", lab, st.tokens_generated)
@@ -78,13 +78,13 @@ class RolloutMetrics:
         yield _family("counter", p + "busy_seconds", "Seconds spent in engine steps", lab, st.seconds)
         yield _family("gauge", p + "tokens_per_second", "Generated tokens per busy second", lab,
                       st.tokens_generated / st.seconds if st.seconds > 0 else 0.0)
-        yield _family("gauge", p + "queue_depth", "Sequences waiting for admission", lab, len(sched.waiting))
-        yield _family("gauge", p + "running_sequences", "Sequences in the running batch", lab, len(sched.running))
-        used = sum(1 for r in list(blocks.ref) if r > 0)
+        yield _family("gauge", p + "queue_depth", "Sequences waiting for admission", lab, st.waiting)
+        yield _family("gauge", p + "running_sequences", "Sequences in the running batch", lab, st.running)
         yield _family("gauge", p + "kv_cache_usage_ratio", "KV cache pages held by sequences / all pages", lab,
-                      used / blocks.num_pages)
-        yield _family("counter", p + "prefix_cache_hits", "KV pages reused from the prefix cache", lab, blocks.hits)
-        yield _family("counter", p + "preemptions", "Sequences preempted for KV space", lab, sched.num_preemptions)
+                      st.kv_usage)
+        yield _family("counter", p + "prefix_cache_hits", "KV pages reused from the prefix cache", lab,
+                      st.prefix_cache_hits)
+        yield _family("counter", p + "preemptions", "Sequences preempted for KV space", lab, st.preemptions)
         gate = getattr(self.servicer, "admission", None)  # services/rollout/admission.py
         if gate is not None:
             yield _family("gauge", p + "admitted_token_positions", "Token positions admitted by the gate", lab,

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from onpolicy.jobs.dataset import load_dataset
 from onpolicy.jobs.spec import JobSpec, SpecError, parse_spec
-from onpolicy.rollout.external import OWN_ENGINE, check_engine
+from onpolicy.rollout.engines import OWN_ENGINE, check_engine
 
 from .loop import Cancelled, GRPOLoop, RoleStubs
 from .records import JobEvent, JobRecord, JobState

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from onpolicy.jobs.spec import SpecError
-from onpolicy.rollout.external import EngineUnavailable
+from onpolicy.rollout.engines import EngineUnavailable
 from onpolicy.services import api
 
 from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound

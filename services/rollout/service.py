@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.rollout import EngineConfig, RolloutEngine
-from onpolicy.rollout.external import OWN_ENGINE, build_engine
+from onpolicy.rollout.engines import OWN_ENGINE, build_engine
 from onpolicy.services.common.model import ensure_certified, load_certified
 from onpolicy.services.common.server import GrpcServer, ServerConfig
 
@@ -23,7 +23,7 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     for the model's shapes when no certificate exists). ``weights_fingerprint`` is the kernel
     fingerprint weight versions must carry to be accepted by UpdateWeights (default: this service's
     own); set it only to run ``fast`` kernels on weights the consistent trainer publishes.
-    ``engine``: ``onpolicy`` or an external engine (``onpolicy.rollout.external``, e.g. ``vllm-ascend``).
+    ``engine``: ``onpolicy`` or ``vllm`` (``onpolicy.rollout.engines``; ``vllm-ascend`` is an alias).
     ``tp``/``ep`` > 1 (own engine only): the engine is rank 0 of ``lcm(tp, ep)`` ranks on its shard
     (``onpolicy.parallel.mirrored.MirroredRolloutEngine``; on a Ray worker), its peers Ray actors with
     this process's thread count and ``peer_npus`` NPUs each (named after ``peer_name`` when given), which
@@ -31,7 +31,7 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     """
     if engine != OWN_ENGINE and (tp > 1 or ep > 1):
         raise ValueError(f"tp={tp}, ep={ep}: only the onpolicy engine runs tensor/expert parallel here")
-    if engine != OWN_ENGINE:  # e.g. vllm-ascend: EngineUnavailable (FAILED_PRECONDITION) before loading anything
+    if engine != OWN_ENGINE:  # vllm: EngineUnavailable (FAILED_PRECONDITION) before loading anything
         external = build_engine(engine, model_ref, kernel_config, engine_config, certify=ensure_certified)
         return RolloutServicer(external, weights_fingerprint=weights_fingerprint,
                                max_sequences_per_request=max_sequences_per_request)

@@ -49,7 +49,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                  max_queued_requests: int = 8) -> None:
         self.lm: LoadedModel = engine.lm
         self.engine = engine
-        # An external engine (onpolicy.rollout.external) runs the operator set it names, not its CPU mirror's.
+        # A vLLM engine runs the operator set it names, not its CPU mirror's.
         self.kernel_config: KernelConfig = getattr(engine, "kernel_config", None) or engine.lm.model.ops.config
         self.weights_fingerprint = weights_fingerprint or self.kernel_config.fingerprint
         """Kernel fingerprint a weight version must carry (this service's own unless configured)."""
