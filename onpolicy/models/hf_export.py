@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from .checkpoint import CheckpointError
-from .tiny import SPECS, home, tiny_checkpoint
+from .tiny import SPECS, build_model_dir, home, tiny_checkpoint
 
 
 def _gguf_export(gguf: Path) -> Path:
@@ -30,22 +28,15 @@ def _gguf_export(gguf: Path) -> Path:
     if (dest / "config.json").is_file():
         return dest
     ckpt = read_gguf(gguf)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         config = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", **ckpt.config}
         save_file({k: v.contiguous() for k, v in ckpt.tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         ckpt.tokenizer.save(str(tmp / "tokenizer.json"))
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+    return build_model_dir(dest, write)
 
 
 def hf_directory(ref: str) -> Path:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +109,16 @@ def tiny_checkpoint(name: str) -> Path:
     path = home() / "models" / f"{name}-{key}"
     if (path / "config.json").is_file():
         return path
+    return build_model_dir(path, lambda tmp: _build(name, tmp))
+
+
+def build_model_dir(path: Path, build: Callable[[Path], None]) -> Path:
+    """``build(tmp)`` into a temporary directory beside ``path``, renamed into place: a crash leaves
+    no half-written model, and of two racing builds the first to finish wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _build(name, tmp)
+        build(tmp)
         try:
             tmp.rename(path)
         except OSError:

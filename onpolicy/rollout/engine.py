@@ -12,7 +12,7 @@ import torch
 from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 
 from .block_manager import BlockManager
-from .interface import EngineSnapshot, validate_request
+from .interface import EngineSnapshot, generate, validate_request
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -160,15 +160,7 @@ class RolloutEngine:
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams,
                  progress: Callable[[EngineSnapshot, int, int], None] | None = None) -> list[Completion]:
         """Run prompts to completion; completions come back ordered by (prompt, sample index)."""
-        total = 0
-        for i, p in enumerate(prompts):
-            total += len(self.add_request(list(p), params, prompt_index=i))
-        done: list[Completion] = []
-        while self.has_unfinished():
-            done.extend(self.step())
-            if progress:
-                progress(self.stats(), len(done), total)
-        return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+        return generate(self, prompts, params, progress)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Load new weights (same names and shapes) and drop the now-stale prefix cache."""

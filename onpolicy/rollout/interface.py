@@ -90,3 +90,16 @@ def validate_request(cfg: ModelConfig, capacity_tokens: int, prompt_ids: list[in
     if total > capacity_tokens:
         raise ValueError(f"prompt + max_new_tokens = {total} tokens exceed the KV cache capacity "
                          f"({capacity_tokens} tokens)")
+
+
+def generate(engine: Engine, prompts: Iterable[list[int]], params: SamplingParams,
+             progress: Callable[[EngineSnapshot, int, int], None] | None = None) -> list[Completion]:
+    """Run prompts to completion on ``engine``; completions come back ordered by (prompt, sample
+    index); ``progress(stats, done, total)`` after every step."""
+    total = sum(len(engine.add_request(list(p), params, prompt_index=i)) for i, p in enumerate(prompts))
+    done: list[Completion] = []
+    while engine.has_unfinished():
+        done.extend(engine.step())
+        if progress:
+            progress(engine.stats(), len(done), total)
+    return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))

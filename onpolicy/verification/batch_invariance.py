@@ -20,15 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-import torch
-
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.rollout import Completion, EngineConfig, SamplingParams
 from onpolicy.rollout.interface import Engine
-from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
-from .consistency import ConsistencyReport, ScheduleResult, build_prompts
-from .logdiff import LogdiffStats, compare
+from .consistency import ConsistencyReport, ScheduleResult, build_prompts, trainer_path_stats
 
 
 def _same(a: list[Completion], b: list[Completion]) -> bool:
@@ -93,14 +89,8 @@ def run_batch_invariance(make_engine: Callable[[EngineConfig], Engine], trainer_
         close = getattr(engine, "close", None)
         if close is not None:
             close()
-    stats = LogdiffStats()
-    packings = [1, 4096]
-    report.packings = packings
-    for k, comps in enumerate(runs):
-        seqs = [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature) for c in comps]
-        with torch.no_grad():
-            trainer = sequence_logprobs(trainer_lm.model, seqs, pack_tokens=packings[k % 2])
-        stats.merge(compare([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps], trainer))
+    report.packings = packings = [1, 4096]
+    stats = trainer_path_stats(trainer_lm, runs, packings)
     say(f"decode vs prefill (trainer path): {stats.tokens_checked} tokens checked, {stats.mismatched_tokens} "
         f"mismatched, max |logdiff| {stats.max_abs_logdiff:.3g}")
     report.tokens_checked, report.mismatched_tokens = stats.tokens_checked, stats.mismatched_tokens

@@ -75,6 +75,18 @@ def build_prompts(lm: LoadedModel, count: int, rng: random.Random) -> list[list[
     return prompts
 
 
+def trainer_path_stats(lm: LoadedModel, runs: list[list[Completion]], packings: list[int]) -> LogdiffStats:
+    """Every run's completions recomputed on the training path of ``lm`` (run ``k`` packed at
+    ``packings[k % len(packings)]`` tokens) and compared bit for bit with their logprobs."""
+    stats = LogdiffStats()
+    for comps, packing in zip(runs, packings * len(runs), strict=False):
+        seqs = [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature) for c in comps]
+        with torch.no_grad():
+            trainer = sequence_logprobs(lm.model, seqs, pack_tokens=packing)
+        stats.merge(compare([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps], trainer))
+    return stats
+
+
 def _run(lm: LoadedModel, prompts: list[list[int]], params: SamplingParams, cfg: EngineConfig,
          stagger: random.Random | None) -> list[Completion]:
     engine = RolloutEngine(lm, cfg)
@@ -135,12 +147,7 @@ def run_consistency(lm: LoadedModel, *, requests: int = 16, max_new_tokens: int 
     # every schedule's completions on the training path, under several packings
     packings = [1, rng.randint(20, 200), 4096]
     report.packings = packings
-    stats = LogdiffStats()
-    for comps, packing in zip(all_runs, packings * len(all_runs), strict=False):
-        seqs = [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature) for c in comps]
-        with torch.no_grad():
-            trainer = sequence_logprobs(lm.model, seqs, pack_tokens=packing)
-        stats.merge(compare([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps], trainer))
+    stats = trainer_path_stats(lm, all_runs, packings)
     say(f"trainer path: {stats.tokens_checked} tokens checked, {stats.mismatched_tokens} mismatched, "
         f"max |logdiff| {stats.max_abs_logdiff:.3g}")
     report.tokens_checked, report.mismatched_tokens = stats.tokens_checked, stats.mismatched_tokens

@@ -43,7 +43,7 @@ from onpolicy.models.hf_export import hf_directory
 from onpolicy.models.registry import load_model
 
 from ..engine import EngineConfig
-from ..interface import EngineSnapshot, validate_request
+from ..interface import EngineSnapshot, generate, validate_request
 from ..sequence import Completion, SamplingParams
 from .plugin import ENV as PLUGIN_ENV
 from .sampler import KEY_ARG, TEMPERATURE_ARG
@@ -234,13 +234,7 @@ class VllmEngine:
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams,
                  progress: Callable[[EngineSnapshot, int, int], None] | None = None) -> list[Completion]:
         """Run prompts to completion; completions come back ordered by (prompt, sample index)."""
-        total = sum(len(self.add_request(list(p), params, prompt_index=i)) for i, p in enumerate(prompts))
-        done: list[Completion] = []
-        while self.has_unfinished():
-            done.extend(self.step())
-            if progress:
-                progress(self.stats(), len(done), total)
-        return sorted(done, key=lambda c: (c.prompt_index, c.sample_index))
+        return generate(self, prompts, params, progress)
 
     def stats(self) -> EngineSnapshot:
         return EngineSnapshot(steps=self._steps, tokens_computed=self._computed, tokens_generated=self._generated,
