@@ -144,6 +144,9 @@ class VllmEngine:
                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib(self.lm, self.config.kv_cache_tokens, kernel_config.dtype)),
                PLUGIN_ENV: "operators" if self.own_kernels else "keep-weights"}
         os.environ.update(env)
+        # vLLM logs to stdout by default; ours carries results (--json): its lines go to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if "torch_npu" in platform_modules():  # before torch_npu initialises (Ascend determinism switches)
             from onpolicy.kernels.ascend.env import apply_deterministic_env
 
