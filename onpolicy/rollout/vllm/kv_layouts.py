@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from onpolicy.kernels import PagedKV
-
 #: vLLM's padding slot in ``slot_mapping`` (token rows that must not be written to the cache).
 PAD_SLOT_ID = -1
 
@@ -61,9 +59,6 @@ class CacheView:
         for pages, new in ((self.k_pages, key), (self.v_pages, value)):
             flat = pages.view(-1, *pages.shape[2:])
             flat.index_copy_(0, rows, new.reshape(-1, *pages.shape[2:]).to(pages.dtype))
-
-    def paged(self, block_table: Tensor) -> PagedKV:
-        return PagedKV(self.k_pages, self.v_pages, self.pages(block_table))
 
 
 def cpu_cache_view(kv_cache: Tensor) -> CacheView:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from onpolicy.kernels import AttentionBatch, Backend
+from onpolicy.kernels import AttentionBatch, Backend, PagedKV
 from onpolicy.kernels.backend import chunk_major
 
 from .kv_layouts import CACHE_VIEWS, CacheView
@@ -142,22 +142,40 @@ def attention_batch(query_start_loc: list[int], seq_lens: list[int], device: tor
     return AttentionBatch.build(q_lens, q_starts, kv_lens, device=device), kept
 
 
-def attend(backend: Backend, view: CacheView, query: Tensor, metadata: Any, scale: float) -> Tensor:
+class StepBatch:
+    """The ``AttentionBatch`` and our page table of the forward in progress, built once per vLLM
+    metadata object (every attention layer of a forward gets the same one) instead of once per
+    layer: the batch also carries the native attention's memoised row index, which then serves
+    every layer."""
+
+    def __init__(self) -> None:
+        self._metadata: Any = None
+        self._value: tuple[AttentionBatch, Tensor] | None = None
+
+    def get(self, metadata: Any, view: CacheView, device: torch.device) -> tuple[AttentionBatch, Tensor]:
+        if self._value is None or metadata is not self._metadata:
+            table = getattr(metadata, "block_tables", None)
+            if table is None:
+                table = metadata.block_table
+            batch, kept = attention_batch(metadata.query_start_loc.tolist(), metadata.seq_lens.tolist(), device)
+            n = int(metadata.num_actual_tokens)
+            if batch.num_rows != n:
+                raise ValueError(f"query_start_loc covers {batch.num_rows} rows, the call has {n}")
+            rows = table[torch.tensor(kept, device=table.device)] if len(kept) != table.shape[0] else table
+            self._metadata, self._value = metadata, (batch, view.pages(rows))
+        return self._value
+
+
+def attend(backend: Backend, view: CacheView, query: Tensor, metadata: Any, scale: float,
+           step: StepBatch | None = None) -> Tensor:
     """``Backend.attention`` of vLLM's packed ``query [>= n, Hq, D]`` over the cache: ``[n, Hq, D]``."""
-    n = int(metadata.num_actual_tokens)
-    table = getattr(metadata, "block_tables", None)
-    if table is None:
-        table = metadata.block_table
-    seq_lens = metadata.seq_lens
-    batch, kept = attention_batch(metadata.query_start_loc.tolist(), seq_lens.tolist(), query.device)
-    if batch.num_rows != n:
-        raise ValueError(f"query_start_loc covers {batch.num_rows} rows, the call has {n}")
-    rows = table[torch.tensor(kept, device=table.device)] if len(kept) != table.shape[0] else table
-    return backend.attention(query[:n], view.paged(rows), batch, scale)
+    batch, pages = (step or StepBatch()).get(metadata, view, query.device)
+    return backend.attention(query[: batch.num_rows], PagedKV(view.k_pages, view.v_pages, pages), batch, scale)
 
 
 def _attention_forward(backend: Backend, impl: Any, cache_view: Callable[[Any], CacheView], scale: float,
-                       writes_in_forward: bool, layer: Any, query: Tensor, key: Tensor | None, value: Tensor | None,
+                       writes_in_forward: bool, step: StepBatch, layer: Any, query: Tensor, key: Tensor | None,
+                       value: Tensor | None,
                        kv_cache: Any, attn_metadata: Any, output: Tensor | None = None, *args: Any,
                        **kwargs: Any) -> Tensor:
     """Replacement of a vLLM attention impl's ``forward`` (same call signature)."""
@@ -172,7 +190,7 @@ def _attention_forward(backend: Backend, impl: Any, cache_view: Callable[[Any], 
     if writes_in_forward and key is not None and value is not None:
         view.write(key[:n].reshape(n, kv_heads, dim), value[:n].reshape(n, kv_heads, dim),
                    attn_metadata.slot_mapping[:n])
-    out = attend(backend, view, q, attn_metadata, scale)
+    out = attend(backend, view, q, attn_metadata, scale, step)
     output.view(-1, heads * dim)[:n] = out.reshape(n, heads * dim).to(output.dtype)
     return output
 
@@ -267,6 +285,7 @@ def install(model: nn.Module, backend: Backend, platform: str) -> Installed:
         more = f" and {len(uncovered) - 3} more" if len(uncovered) > 3 else ""
         raise NotCovered(f"vLLM layer {named}{more} is not covered by the onpolicy operators")
     done = Installed()
+    step = StepBatch()  # shared by every attention layer of the model
     heads_seen: set[int] = set()
     for family, path, module in plan:
         if family == "row_linear":
@@ -293,7 +312,8 @@ def install(model: nn.Module, backend: Backend, platform: str) -> Installed:
             impl = module.impl
             scale = 1.0 / math.sqrt(impl.head_size)
             writes_in_forward = not hasattr(impl, "do_kv_cache_update")
-            impl.forward = functools.partial(_attention_forward, backend, impl, cache_view, scale, writes_in_forward)
+            impl.forward = functools.partial(_attention_forward, backend, impl, cache_view, scale, writes_in_forward,
+                                             step)
             if not writes_in_forward:
                 impl.do_kv_cache_update = functools.partial(_kv_cache_update, cache_view, impl)
         elif family == "rms_norm":
