@@ -15,7 +15,7 @@ def hf_model(lm: LoadedModel, dtype: torch.dtype) -> torch.nn.Module:
     import transformers
 
     fam = lm.config.family
-    cls = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[fam]
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[fam]
     c = lm.config
     kwargs = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,

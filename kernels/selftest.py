@@ -445,6 +445,10 @@ def run_selftest(config: KernelConfig, shapes: ProbeShapes, progress: Callable[[
             add(_rows_probe(f"row-linear/{lname}[{k_in}x{k_out}]",
                             lambda a, w=w: ops.row_linear(a, _ChunkedWeight(w)), rnd(rows, k_in), gen))
             add(_row_parallel_probe(ops, f"{lname}[{k_in}x{k_out}]", w, rnd(13, k_in)))
+    qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim  # Qwen2's (and attention_bias') biased q/k/v
+    wb, bias = rnd(qkv_out, s.hidden) * 0.05, rnd(qkv_out)
+    add(_rows_probe(f"linear+bias/qkv[{s.hidden}x{qkv_out}]", lambda a: ops.linear(a, wb) + bias,
+                    rnd(rows, s.hidden), gen))
     columns = {"q": (s.num_heads * s.head_dim, s.num_heads), "kv": (s.num_kv_heads * s.head_dim, s.num_kv_heads),
                "gate-up": (s.intermediate, s.intermediate)}
     for lname, (k_out, units) in columns.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def export_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike[
     path = Path(directory) / f"weights-v{version:06d}.safetensors"
     atomic_write_bytes(path, data)
     return WeightsRef(str(path), hashlib.sha256(data).hexdigest(), version, kernel_fingerprint)
+
+
+_VERSION_FILE = re.compile(r"^weights-v(\d{6,})\.safetensors$")
+
+
+def prune_weight_versions(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
+    """Delete every weight version file in ``directory`` but the newest ``keep_last`` (each an
+    atomic unlink); returns the deleted ones."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    found = sorted((int(m.group(1)), p) for p in Path(directory).iterdir() if (m := _VERSION_FILE.match(p.name)))
+    doomed = [p for _, p in found[:-keep_last]]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
 
 
 def load_weights(ref: WeightsRef, expected_fingerprint: str) -> dict[str, torch.Tensor]:

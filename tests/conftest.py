@@ -88,15 +88,12 @@ def job_service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> 
     from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.common.client import connect
-    from onpolicy.services.common.server import GrpcServer, ServerConfig
+    from onpolicy.services.common.server import ServerConfig
     from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import JobServicer
+    from onpolicy.services.jobs.servicer import jobs_server
 
     controller = JobController(tmp_path_factory.mktemp("controller"), RayLauncher(token=JOBS_TOKEN))
-    server = GrpcServer(ServerConfig(port=0, token=JOBS_TOKEN))
-    server.add_service("onpolicy.v1.JobService", JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    server.start()
+    server = jobs_server(controller, ServerConfig(port=0, token=JOBS_TOKEN))
     channel = connect(server.address, token=JOBS_TOKEN)
     yield api.jobs_pb2_grpc.JobServiceStub(channel)
     channel.close()

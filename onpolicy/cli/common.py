@@ -1,4 +1,5 @@
-"""What every subcommand shares: the one-line usage error, kernel/model options, JSON output."""
+"""What every subcommand shares: the one-line usage error, kernel/model options, file arguments,
+JSON output. Importing it (or any command module) imports no torch, so ``--help`` is fast."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from onpolicy.kernels import KernelConfig, get_backend, resolve_kernels
-from onpolicy.models.checkpoint import CheckpointError, LoadedModel
+if TYPE_CHECKING:
+    from onpolicy.kernels import KernelConfig
+    from onpolicy.models.checkpoint import LoadedModel
 
 
 class UsageError(Exception):
@@ -20,8 +22,24 @@ def fail(message: str) -> NoReturn:
     raise UsageError(message)
 
 
+def read_file_arg(path: str, flag: str = "") -> bytes:
+    """The bytes of the file a flag (or argument) names; exit 2 with one line if it is missing, not a
+    regular file or unreadable."""
+    p, where = Path(path), f"{flag} {path}" if flag else path
+    if not p.exists():
+        fail(f"{where}: no such file")
+    if not p.is_file():
+        fail(f"{where}: not a regular file")
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        fail(f"{where}: unreadable ({e.strerror or e})")
+
+
 def add_model_args(p: argparse.ArgumentParser, *, kernels: bool = True) -> None:
-    p.add_argument("--model", required=True, help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3-moe | PATH")
+    p.add_argument("--model", required=True,
+                   help="smollm2 | tiny-llama | tiny-qwen3 | ... | an HF directory | a .gguf file | "
+                        "a Hugging Face id in the local cache (org/name)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
     if kernels:
         p.add_argument("--kernels", default="consistent", help="consistent (default) | fast | a backend name")
@@ -29,6 +47,8 @@ def add_model_args(p: argparse.ArgumentParser, *, kernels: bool = True) -> None:
 
 
 def kernel_config(args: argparse.Namespace, kernels: str | None = None) -> KernelConfig:
+    from onpolicy.kernels import KernelConfig, resolve_kernels
+
     try:
         backend = resolve_kernels(kernels or getattr(args, "kernels", "consistent"))
         return KernelConfig(backend=backend, compute_dtype=args.dtype, kv_tile=args.kv_tile)
@@ -37,6 +57,8 @@ def kernel_config(args: argparse.Namespace, kernels: str | None = None) -> Kerne
 
 
 def load(args: argparse.Namespace, config: KernelConfig) -> LoadedModel:
+    from onpolicy.kernels import get_backend
+    from onpolicy.models.checkpoint import CheckpointError
     from onpolicy.models.registry import load_model
 
     try:
@@ -45,13 +67,11 @@ def load(args: argparse.Namespace, config: KernelConfig) -> LoadedModel:
         fail(str(e).splitlines()[0])
 
 
-def read_json(path: str) -> Any:
-    p = Path(path)
-    if not p.is_file():
-        fail(f"{path}: no such file")
+def read_json(path: str, flag: str = "") -> Any:
+    data = read_file_arg(path, flag)
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         fail(f"{path}: not valid JSON ({e})")
 
 

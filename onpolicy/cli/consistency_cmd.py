@@ -9,14 +9,16 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.rollout.engines import ENGINES, OWN_ENGINE
-from onpolicy.verification.consistency import run_consistency
+from onpolicy.rollout.names import ENGINES, OWN_ENGINE
 
 from .common import add_model_args, emit_json, fail, kernel_config, load
 from .generate_cmd import check_engine_available
+
+if TYPE_CHECKING:
+    from onpolicy.kernels import KernelConfig
+    from onpolicy.models.checkpoint import LoadedModel
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,6 +117,8 @@ def _verdict(args: argparse.Namespace, report) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from onpolicy.verification.consistency import run_consistency
+
     for name in ("requests", "max_new_tokens"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1")

@@ -9,8 +9,6 @@ import argparse
 import json
 from typing import Any
 
-from onpolicy.models.checkpoint import CheckpointError
-
 from .common import emit_json, fail, read_json
 
 
@@ -46,6 +44,7 @@ def parse_ids(text: str, flag: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from onpolicy.models.checkpoint import CheckpointError
     from onpolicy.verification.doctor import diagnose, diagnose_sample
     from onpolicy.verification.doctor_paths import PathOptions
 

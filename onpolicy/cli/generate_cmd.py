@@ -6,13 +6,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
-from onpolicy.rollout.engines import ENGINES, OWN_ENGINE, EngineUnavailable, check_engine
-from onpolicy.rollout.interface import Engine, EngineSnapshot
+from onpolicy.rollout.names import ENGINES, OWN_ENGINE
 
 from .common import add_model_args, emit_json, fail, kernel_config, load
+
+if TYPE_CHECKING:
+    from onpolicy.models.checkpoint import LoadedModel
+    from onpolicy.rollout import EngineConfig
+    from onpolicy.rollout.interface import Engine, EngineSnapshot
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def engine_config(args: argparse.Namespace, need_tokens: int | None = None) -> EngineConfig:
     """Engine options from the command line; the KV cache is sized to what the requests can use
     (at most the engine default), so a small job does not allocate the whole budget."""
+    from onpolicy.rollout import EngineConfig
+
     try:
         cap = EngineConfig().kv_cache_tokens
         tokens = cap if need_tokens is None else max(64, min(cap, need_tokens))
@@ -54,6 +59,8 @@ def engine_config(args: argparse.Namespace, need_tokens: int | None = None) -> E
 
 def check_engine_available(args: argparse.Namespace) -> None:
     """Exit 2 naming what is missing when ``--engine`` cannot run here (before any model is loaded)."""
+    from onpolicy.rollout.engines import EngineUnavailable, check_engine
+
     try:
         check_engine(args.engine)
     except EngineUnavailable as e:
@@ -62,6 +69,8 @@ def check_engine_available(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace, lm: LoadedModel, config: EngineConfig) -> Engine:
     """The ``--engine`` on ``lm`` (the vLLM engine reads the model itself and keeps ``lm`` as its mirror)."""
+    from onpolicy.rollout import RolloutEngine
+
     if args.engine == OWN_ENGINE:
         return RolloutEngine(lm, config)
     from onpolicy.rollout.vllm.engine import VllmEngine
@@ -111,6 +120,8 @@ def read_prompts(args: argparse.Namespace, lm: LoadedModel) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from onpolicy.rollout import SamplingParams
+
     try:
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.n,
                                 seed=args.seed)

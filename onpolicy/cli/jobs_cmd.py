@@ -48,7 +48,8 @@ def format_event(ev: Any, steps: int | None = None) -> str:
         return (f"step {ev.step}{of}  reward {ev.reward_mean:.3f}±{ev.reward_std:.3f}  logdiff_max {ev.logdiff_max:g}  "
                 f"tokens checked {ev.tokens_checked} mismatched {ev.tokens_mismatched}  weights v{ev.weight_version}  "
                 f"loss {ev.loss:.4f}  rollout {ev.rollout_tokens_per_s:.0f} tok/s  "
-                f"trainer {ev.trainer_tokens_per_s:.0f} tok/s  {ev.times.total_s:.1f}s")
+                f"trainer {ev.trainer_tokens_per_s:.0f} tok/s  {ev.times.total_s:.1f}s"
+                + (f"  eval {ev.eval_accuracy:.3f} ({ev.eval_problems})" if ev.HasField("eval_accuracy") else ""))
     return f"[{state}] {ev.message}"
 
 
@@ -75,8 +76,8 @@ def submit(args: argparse.Namespace) -> int:
 
     try:
         spec = load_spec_file(args.spec)
-    except SpecError as e:
-        fail(f"{args.spec}: {e}")
+    except SpecError as e:  # a file error names the file itself
+        fail(e.violations[0][1] if e.violations[0][0] == "file" else f"{args.spec}: {e}")
     stub = job_stub(args)
     try:
         job = stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=60).job

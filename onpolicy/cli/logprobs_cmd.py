@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
-
-import torch
-
-from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
+from typing import TYPE_CHECKING, Any
 
 from .common import add_model_args, emit_json, fail, kernel_config, load, read_json
+
+if TYPE_CHECKING:
+    from onpolicy.trainer.forward import ScoredSequence
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def parse_sequences(data: Any, temperature: float, source: str) -> list[ScoredSequence]:
     """A list of {prompt_ids, token_ids[, temperature]} items, or generate's output object."""
+    from onpolicy.trainer.forward import ScoredSequence
+
     if isinstance(data, dict) and "completions" in data:
         data = data["completions"]
     if not isinstance(data, list) or not data:
@@ -47,6 +48,10 @@ def parse_sequences(data: Any, temperature: float, source: str) -> list[ScoredSe
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from onpolicy.trainer.forward import sequence_logprobs
+
     if not math.isfinite(args.temperature) or args.temperature <= 0:
         fail("--temperature must be a finite number > 0")
     if args.pack_tokens < 1:

@@ -7,10 +7,21 @@ import os
 import sys
 from typing import NoReturn
 
-from . import bench_cmd, consistency_cmd, diagnose_cmd, generate_cmd, jobs_cmd, logprobs_cmd, selftest_cmd, up_cmd
+from . import (
+    bench_cmd,
+    consistency_cmd,
+    diagnose_cmd,
+    export_cmd,
+    generate_cmd,
+    jobs_cmd,
+    logprobs_cmd,
+    selftest_cmd,
+    up_cmd,
+)
 from .common import UsageError
 
-COMMANDS = [selftest_cmd, logprobs_cmd, generate_cmd, consistency_cmd, diagnose_cmd, up_cmd, jobs_cmd, bench_cmd]
+COMMANDS = [selftest_cmd, logprobs_cmd, generate_cmd, consistency_cmd, diagnose_cmd, up_cmd, jobs_cmd, export_cmd,
+            bench_cmd]
 
 
 class _Parser(argparse.ArgumentParser):

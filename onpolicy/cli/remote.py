@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from .common import fail
+from .common import fail, read_file_arg
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -23,12 +22,12 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
 
 def read_token(path: str | None) -> str | None:
     if path:
-        p = Path(path)
-        if not p.is_file():
-            fail(f"{path}: no such token file")
-        token = p.read_text().strip()
+        try:
+            token = read_file_arg(path, "--token-file").decode().strip()
+        except UnicodeDecodeError:
+            fail(f"--token-file {path}: not text")
         if not token:
-            fail(f"{path}: token file is empty")
+            fail(f"--token-file {path}: the file is empty")
         return token
     return os.environ.get("ONPOLICY_TOKEN") or None
 
@@ -37,7 +36,7 @@ def job_stub(args: argparse.Namespace) -> Any:
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
 
-    tls_ca = Path(args.tls_ca).read_bytes() if getattr(args, "tls_ca", None) else None
+    tls_ca = read_file_arg(args.tls_ca, "--tls-ca") if getattr(args, "tls_ca", None) else None
     channel = connect(args.address, token=read_token(args.token_file), tls_ca=tls_ca)
     return api.jobs_pb2_grpc.JobServiceStub(channel)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-
-from onpolicy.kernels.selftest import ProbeShapes, run_selftest, save_certificate
+from typing import TYPE_CHECKING
 
 from .common import emit_json, kernel_config
+
+if TYPE_CHECKING:
+    from onpolicy.kernels.selftest import ProbeShapes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +36,7 @@ def shapes_for(model: str) -> ProbeShapes:
 
 def run(args: argparse.Namespace) -> int:
     from onpolicy.kernels import get_backend
+    from onpolicy.kernels.selftest import run_selftest, save_certificate
 
     from .common import fail
 

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .common import fail
+from .common import fail, read_file_arg
 from .remote import read_token
 
 
@@ -30,19 +30,27 @@ def add_metrics_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics endpoint (default 127.0.0.1)")
 
 
+def add_controller_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The job controller's options (``onpolicy up``, ``onpolicy serve jobs``)."""
+    p.add_argument("--ray-address", help=f"{prefix}attach to this Ray cluster instead of starting one")
+    p.add_argument("--service-host", default="127.0.0.1",
+                   help=f"{prefix}address each job's role services bind (default 127.0.0.1; 0.0.0.0 on a multi-node "
+                        "cluster, where they advertise their node's IP)")
+    p.add_argument("--state-dir", help=f"{prefix}controller state (default $ONPOLICY_HOME/controller)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help=f"{prefix}times Ray restarts a job's crashed role service; the job then resumes from its "
+                        "last checkpoint (default 3)")
+    p.add_argument("--allow-reward-modules", default="", metavar="PKG[,PKG...]",
+                   help=f"{prefix}top-level packages installed here whose module:function rewards jobs may name "
+                        "(default: none, only the registered rewards)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start Ray (embedded, loopback), the job controller and its JobService")
     add_server_args(p, 50051)
     add_metrics_args(p, "every job's rollout, trainer and verifier, merged")
-    p.add_argument("--ray-address", help="attach to this Ray cluster instead of starting one")
-    p.add_argument("--service-host", default="127.0.0.1",
-                   help="address each job's role services bind (default 127.0.0.1; 0.0.0.0 on a multi-node "
-                        "cluster, where they advertise their node's IP)")
-    p.add_argument("--state-dir", help="controller state (default $ONPOLICY_HOME/controller)")
+    add_controller_args(p)
     p.add_argument("--model", help="certify the operator set for this model at start-up")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="times Ray restarts a job's crashed role service; the job then resumes from its last "
-                        "checkpoint (default 3)")
     p.set_defaults(func=up)
     p = sub.add_parser("serve", help="run one service standalone (jobs, rollout, trainer or verifier)")
     p.add_argument("role", choices=["jobs", "rollout", "trainer", "verifier"])
@@ -54,12 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "vLLM's own kernels); vllm-ascend: the same on Ascend NPUs (its own image)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--kv-tile", type=int, default=64)
-    p.add_argument("--ray-address", help="jobs: attach to this Ray cluster instead of starting one")
-    p.add_argument("--service-host", default="127.0.0.1",
-                   help="jobs: address each job's role services bind (0.0.0.0 on a multi-node cluster)")
-    p.add_argument("--state-dir", help="jobs: controller state directory")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="jobs: times Ray restarts a job's crashed role service (default 3)")
+    add_controller_args(p, "jobs: ")
     add_metrics_args(p, "this service (jobs: every job's services, merged)")
     p.set_defaults(func=serve)
     p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
@@ -80,6 +83,10 @@ def server_config(args: argparse.Namespace, token: str | None) -> Any:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         fail("--tls-cert and --tls-key go together")
+    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value:
+            read_file_arg(value, flag)
     try:
         return ServerConfig(host=args.host, port=args.port, token=token, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
@@ -103,34 +110,51 @@ def start_metrics(registry: Any, args: argparse.Namespace) -> Any:
     return endpoint
 
 
+def reward_modules(value: str) -> list[str]:
+    """``--allow-reward-modules`` as package names (exit 2 on a malformed one)."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for n in names:
+        if not n.isidentifier():
+            fail(f"--allow-reward-modules: {n!r} is not a top-level package name")
+    return names
+
+
+def state_dir_arg(value: str | None, default: Path) -> Path:
+    """``--state-dir`` (or ``default``) as a directory that exists or can be made (exit 2 otherwise)."""
+    path = Path(value) if value else default
+    if path.exists() and not path.is_dir():
+        fail(f"--state-dir {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--state-dir {path}: cannot create it ({e.strerror or e})")
+    return path
+
+
 def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
-                      metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3) -> tuple[Any, Any]:
+                      metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3,
+                      allow_reward_modules: list[str] | None = None) -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
     that every job's services register their /metrics with (the controller's own job metrics are
     added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
     they then advertise their node's IP)."""
-    from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray
-    from onpolicy.services.common.server import GrpcServer
     from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import JobServicer
-    from onpolicy.services.roles import SERVICE_NAMES
+    from onpolicy.services.jobs.servicer import jobs_server
 
     if max_restarts < 0:
         fail(f"--max-restarts must be >= 0, got {max_restarts}")
     init_ray(ray_address)
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
-                                                      state_dir=state_dir, max_restarts=max_restarts))
+                                                      state_dir=state_dir, max_restarts=max_restarts),
+                               allow_reward_modules=allow_reward_modules or ())
     if metrics is not None:
         from onpolicy.services.jobs.metrics import ControllerMetrics
 
         metrics.registry.register(ControllerMetrics(controller))
-    server = GrpcServer(config)
-    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
     try:
-        server.start()
+        server = jobs_server(controller, config)
     except RuntimeError as e:
         controller.shutdown()
         fail(str(e))
@@ -161,8 +185,9 @@ def up(args: argparse.Namespace) -> int:
         load_certified(args.model, KernelConfig())
     hub = metrics_hub(args)
     endpoint = start_metrics(hub.registry, args) if hub is not None else None
-    server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()), args.ray_address,
-                                           token, hub, args.service_host, args.max_restarts)
+    server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
+                                           args.ray_address, token, hub, args.service_host, args.max_restarts,
+                                           reward_modules(args.allow_reward_modules))
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -196,8 +221,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.role == "jobs":
         hub = metrics_hub(args)
         endpoint = start_metrics(hub.registry, args) if hub is not None else None
-        server, controller = start_jobs_server(config, Path(args.state_dir or default_state_dir()),
-                                               args.ray_address, token, hub, args.service_host, args.max_restarts)
+        server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
+                                               args.ray_address, token, hub, args.service_host, args.max_restarts,
+                                               reward_modules(args.allow_reward_modules))
     else:
         from onpolicy.rollout.engines import EngineUnavailable, check_engine
         from onpolicy.services.roles import RoleOptions, start_role
@@ -253,13 +279,17 @@ def demo_spec(model: str, steps: int, kernels: str, engine: str = "onpolicy") ->
 def demo(args: argparse.Namespace) -> int:
     import secrets
 
+    import grpc
+
     from onpolicy.jobs.spec import SpecError, parse_spec
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.server import ServerConfig
+    from onpolicy.services.jobs.controller import check_inputs
     from onpolicy.services.jobs.convert import spec_to_proto
 
     from .jobs_cmd import stream_events
+    from .remote import rpc_error
 
     if args.steps < 1:
         fail("--steps must be >= 1")
@@ -272,10 +302,11 @@ def demo(args: argparse.Namespace) -> int:
             fail(str(e))
     try:
         spec = parse_spec(demo_spec(args.model, args.steps, args.kernels, args.engine))
+        check_inputs(spec)  # before Ray starts: a model that resolves nowhere is one line, exit 2
     except SpecError as e:
         fail(str(e))
     token = secrets.token_urlsafe(24)  # the demo's services require a bearer token, like production
-    state_dir = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="onpolicy-demo-"))
+    state_dir = state_dir_arg(args.state_dir, Path(tempfile.mkdtemp(prefix="onpolicy-demo-")))
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -286,7 +317,10 @@ def demo(args: argparse.Namespace) -> int:
     server, controller = start_jobs_server(ServerConfig(port=0, token=token), state_dir, None, token, hub)
     try:
         stub = api.jobs_pb2_grpc.JobServiceStub(connect(server.address, token=token))
-        job = stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=60).job
+        try:
+            job = stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=spec_to_proto(spec)), timeout=60).job
+        except grpc.RpcError as e:
+            fail(rpc_error(e, server.address))
         say(f"jobs endpoint {server.address}; submitted job {job.job_id}: GRPO on {args.model}, arithmetic task, "
             f"{args.steps} steps, rollout kernels {args.kernels}")
         final = stream_events(args, stub, job.job_id, args.steps)

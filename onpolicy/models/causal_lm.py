@@ -1,4 +1,4 @@
-"""``CausalLM``: one model code path for Llama, Qwen3 and Qwen3-MoE, parameterised by the backend.
+"""``CausalLM``: one model code path for Llama, Qwen2, Qwen3 and Qwen3-MoE, parameterised by the backend.
 
 Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` …) so HF and GGUF
 checkpoints load without renaming. ``hidden`` runs the decoder over packed token rows under an
@@ -6,6 +6,10 @@ attention context (training or paged); ``logprobs`` applies the fp32 LM head and
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +20,7 @@ from onpolicy.kernels import Backend
 from onpolicy.kernels.backend import DenseStack
 from onpolicy.parallel.layout import ModelParallel, check_degrees
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .context import AttentionContext
 from .layers import DecoderLayer, Linear, RMSNorm, dense_stack
 
@@ -39,13 +43,44 @@ def _hooked(modules: list[nn.Module]) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-def rope_table(head_dim: int, theta: float, max_positions: int) -> tuple[Tensor, Tensor]:
-    """fp32 ``cos``/``sin`` ``[max_positions, head_dim]``, HF's default RoPE (``cat(freqs, freqs)``)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
+    """fp32 inverse frequencies ``[head_dim / 2]``, as transformers' ``ROPE_INIT_FUNCTIONS`` compute
+    them for ``scaling.rope_type`` (default, linear, llama3)."""
     cpu = torch.device("cpu")  # explicit, so a model built under a meta-device context gets a real table
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
-    freqs = torch.arange(max_positions, dtype=torch.int64, device=cpu).float()[:, None] * inv_freq[None, :]
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
+               ) -> tuple[Tensor, Tensor]:
+    """fp32 ``cos``/``sin`` ``[max_positions, head_dim]``, HF's RoPE (``cat(freqs, freqs)``); the
+    frequencies scaled by ``scaling`` (linear, llama3: cos/sin themselves are not rescaled)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    freqs = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def resolve_tied_head(cfg: ModelConfig, tensors: Mapping[str, Tensor]) -> ModelConfig:
+    """``cfg`` as transformers loads a checkpoint of it: ``tie_word_embeddings`` stays on when the
+    checkpoint has no ``lm_head.weight`` or one equal to ``model.embed_tokens.weight``; a different
+    ``lm_head.weight`` is kept as its own LM head (transformers then does not tie either)."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        return replace(cfg, tie_word_embeddings=False)
+    return cfg
 
 
 class Decoder(nn.Module):
@@ -67,7 +102,8 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, self.parallel)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
-        self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                                   cfg.rope_scaling)
         self._head_cache: tuple[tuple[int, int], Tensor] | None = None
         # (parameter registrations seen, the layers as a DenseStack or None, the layers' modules)
         self._dense: tuple[int, DenseStack | None, list[nn.Module]] | None = None

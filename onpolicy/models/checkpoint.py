@@ -18,7 +18,8 @@ from torch import Tensor
 from onpolicy.kernels import Backend
 from onpolicy.parallel.layout import ModelParallel
 
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, resolve_tied_head
+from .chat_template import ChatTemplateError, read_chat_template, read_tokenizer_config, special_tokens
 from .config import ModelConfig
 from .sharding import shard_state_dict
 from .tokenizer import Tokenizer
@@ -79,20 +80,23 @@ def read_hf_dir(path: Path) -> tuple[dict, dict[str, Tensor]]:
 
 
 def read_hf_tokenizer(path: Path, config: dict) -> Tokenizer | None:
+    """The tokenizer of an HF directory (``tokenizer.json``), with its chat template
+    (``chat_template.jinja`` or ``tokenizer_config.json``) and special tokens; None without one."""
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         return None
-    template = None
-    eos: list[int] = []
-    tc = path / "tokenizer_config.json"
-    inner = tokenizers.Tokenizer.from_file(str(tok_file))
-    if tc.is_file():
-        tcfg = json.loads(tc.read_text())
-        template = tcfg.get("chat_template")
-        eos_tok = tcfg.get("eos_token")
-        if isinstance(eos_tok, str) and inner.token_to_id(eos_tok) is not None:
-            eos.append(inner.token_to_id(eos_tok))
-    return Tokenizer(inner, template, tuple(eos))
+    try:
+        inner = tokenizers.Tokenizer.from_file(str(tok_file))
+        tcfg = read_tokenizer_config(path)
+        template = read_chat_template(path, tcfg)
+    except ChatTemplateError as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise CheckpointError(f"{tok_file}: not a readable tokenizer ({str(e).splitlines()[0]})") from None
+    specials = special_tokens(tcfg)
+    eos_tok = specials.get("eos_token")
+    eos = (inner.token_to_id(eos_tok),) if eos_tok is not None and inner.token_to_id(eos_tok) is not None else ()
+    return Tokenizer(inner, template, eos, specials)
 
 
 def shard_model(lm: LoadedModel, par: ModelParallel) -> LoadedModel:
@@ -108,7 +112,7 @@ def shard_model(lm: LoadedModel, par: ModelParallel) -> LoadedModel:
 def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str,
                 par: ModelParallel | None = None) -> CausalLM:
     """A ``CausalLM`` from full HF-named tensors; with ``par`` the model holds this rank's shard."""
-    cfg = ModelConfig.from_hf(config)
+    cfg = resolve_tied_head(ModelConfig.from_hf(config), tensors)
     with torch.device("meta"):
         model = CausalLM(cfg, ops, par)
     expected = dict(model.named_parameters())

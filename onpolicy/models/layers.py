@@ -92,15 +92,15 @@ class Attention(nn.Module):
         self.layer, self.tp = layer, par.tp
         heads = head_shard(cfg, par.tp.degree, par.tp.index)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * cfg.head_dim, cfg.qkv_bias)
         # More TP ranks than KV heads: k/v_proj stay whole (replicated) and a rank projects its one
         # KV head through a row slice of the weight, whose gradient is summed over the TP group.
         kv_rows = (cfg.num_kv_heads if par.tp.degree > cfg.num_kv_heads else self.num_kv_heads) * cfg.head_dim
         self.kv_slice = (slice(heads.kv_start * cfg.head_dim, (heads.kv_start + 1) * cfg.head_dim)
                          if par.tp.degree > cfg.num_kv_heads else None)
-        self.k_proj = Linear(cfg.hidden_size, kv_rows, cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_rows, cfg.attention_bias)
-        self.o_proj = RowLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, par.tp, cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_rows, cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_rows, cfg.qkv_bias)
+        self.o_proj = RowLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, par.tp, cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, par.tp) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, par.tp) if cfg.qk_norm else None
         self.scale = 1.0 / math.sqrt(cfg.head_dim)

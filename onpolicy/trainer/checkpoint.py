@@ -138,6 +138,33 @@ def save_checkpoint(root: str | os.PathLike[str], state: CheckpointState) -> Pat
     return final
 
 
+def _remove_dir(path: Path) -> None:
+    """Delete a directory so that no reader sees it half deleted: renamed out of the way first (one
+    atomic step), then removed."""
+    trash = path.with_name(f".deleted-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
+    """Delete every step directory under ``root`` but the newest ``keep_last`` (the one ``latest``
+    points at is always kept), and what an interrupted prune left; returns the deleted ones."""
+    if keep_last < 1:
+        raise ValueError("keep_last must be >= 1")
+    root = Path(root)
+    current, _ = resolve(root)
+    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()),
+                   key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+    doomed = [p for p in steps[:-keep_last] if p.name != current.name]
+    for p in doomed:
+        _remove_dir(p)
+    for leftover in root.glob(".deleted-step-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if doomed:
+        _fsync_dir(root)
+    return doomed
+
+
 def _read_verified(path: Path, want: str) -> bytes:
     try:
         data = path.read_bytes()

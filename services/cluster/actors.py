@@ -38,8 +38,18 @@ DEFAULT_MAX_RESTARTS = 3
 RESOLVE_TIMEOUT_S = 300.0
 
 
+class RoleStartupError(RuntimeError):
+    """A role service could not start (its model does not load, its backend is not certified, …):
+    not retried, the job fails with this one-line message."""
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray's process boundary as itself
+        return (RoleStartupError, self.args)
+
+
 class ServiceActor:
-    """Body of the Ray actor (wrapped with ``ray.remote`` on first use)."""
+    """Body of the Ray actor (wrapped with ``ray.remote`` on first use). A role that fails to start
+    keeps the actor alive and answers ``address`` with a ``RoleStartupError``: restarting it would
+    only fail again."""
 
     def __init__(self, role: str, options: dict[str, Any], host: str, token: str | None, threads: int,
                  metrics: bool = False) -> None:
@@ -50,8 +60,15 @@ class ServiceActor:
         from ..roles import RoleOptions, start_role
 
         self.role_name = role
-        self.role = start_role(role, RoleOptions(**options), host=host, token=token,
-                               metrics_host=host if metrics else None)
+        self.startup_error = ""
+        try:
+            self.role = start_role(role, RoleOptions(**options), host=host, token=token,
+                                   metrics_host=host if metrics else None)
+        except Exception as e:
+            log.exception("the %s service could not start", role)
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.startup_error = f"the {role} service could not start: {type(e).__name__}: {first}"
+            return
         self.server = self.role.server
         self.host = advertised_host(host)
 
@@ -59,6 +76,8 @@ class ServiceActor:
         """Where the service answers; a service whose engine stopped (e.g. a lost tensor-parallel or
         data-parallel peer rank) exits instead, so Ray restarts it with fresh peers and the caller
         resolves the new one."""
+        if self.startup_error:
+            raise RoleStartupError(self.startup_error)
         if self.role_name == "rollout":
             worker = self.role.servicer.worker
             stopped = not worker.alive or getattr(worker.engine, "failed", "")
@@ -71,12 +90,13 @@ class ServiceActor:
 
     def metrics_url(self) -> str:
         """``http://host:port/metrics`` of this service ("" when started without metrics)."""
-        if self.role.metrics is None:
+        if self.startup_error or self.role.metrics is None:
             return ""
         return f"http://{self.host}:{self.role.metrics.url.rsplit(':', 1)[1]}"
 
     def stop(self) -> None:
-        self.role.stop(grace=1.0)
+        if not self.startup_error:
+            self.role.stop(grace=1.0)
 
 
 def advertised_host(bind: str) -> str:
@@ -122,13 +142,18 @@ def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str =
 
 def resolve_address(actor: Any, timeout_s: float = RESOLVE_TIMEOUT_S) -> str:
     """The gRPC address ``actor`` serves on, waiting while Ray restarts it (a call that reached it
-    as it died fails with ``RayActorError``: retried until ``timeout_s``; then the error stands)."""
+    as it died fails with ``RayActorError``: retried until ``timeout_s``; then the error stands). A
+    service that could not start raises its ``RoleStartupError`` at once."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return str(ray.get(actor.address.remote(), timeout=max(1.0, deadline - time.monotonic())))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RoleStartupError):
+                raise RoleStartupError(*e.cause.args) from None
+            raise
         except ray.exceptions.RayActorError:
             if time.monotonic() >= deadline:
                 raise

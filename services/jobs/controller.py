@@ -12,16 +12,21 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
-from onpolicy.jobs.dataset import load_dataset
+from onpolicy.jobs.dataset import DatasetError, load_splits
+from onpolicy.jobs.prompts import prepare
+from onpolicy.jobs.rewards import RewardError, RewardSet, load_reward
 from onpolicy.jobs.spec import JobSpec, SpecError, parse_spec
+from onpolicy.models.chat_template import ChatTemplateError
+from onpolicy.models.checkpoint import CheckpointError
 from onpolicy.rollout.engines import OWN_ENGINE, check_engine
 
-from .loop import Cancelled, GRPOLoop, RoleStubs
+from ..cluster.actors import RoleStartupError
+from .loop import Cancelled, GRPOLoop, JobInputs, RoleStubs
 from .records import JobEvent, JobRecord, JobState
 from .store import JobStore
 
@@ -84,6 +89,49 @@ def _model_admits(model: str, role: str, tp: int, ep: int) -> list[tuple[str, st
     return []
 
 
+#: A job's own inputs that fail it (one line, no traceback): its model, data, rewards or a role that
+#: cannot start with them.
+INPUT_ERRORS = (DatasetError, RewardError, CheckpointError, ChatTemplateError, RoleStartupError)
+
+
+def check_inputs(spec: JobSpec, allow_reward_modules: Collection[str] = ()) -> None:
+    """Refuse (``SpecError`` naming the field) what this controller can tell is wrong before a job
+    starts: a model that resolves nowhere, a dataset file that does not exist, a reward that is not
+    registered or whose package is not allowed here."""
+    from onpolicy.models.resolve import resolve_model
+
+    bad: list[tuple[str, str]] = []
+    try:
+        resolve_model(spec.model)
+    except CheckpointError as e:
+        bad.append(("model", str(e).splitlines()[0]))
+    d = spec.dataset
+    for name, path in (("path", d.path), ("eval_path", d.eval_path)):
+        if path and d.kind in ("jsonl", "parquet") and not Path(path).is_file():
+            bad.append((f"dataset.{name}", f"{path}: no such file"))
+    for i, r in enumerate(spec.rewards):
+        try:
+            load_reward(r.name, allow_reward_modules)
+        except RewardError as e:
+            bad.append((f"rewards[{i}].name", str(e)))
+    if bad:
+        raise SpecError(bad)
+
+
+def job_inputs(spec: JobSpec, allow_reward_modules: Collection[str] = ()) -> tuple[JobInputs, list[str]]:
+    """The job's prompts, eval prompts and rewards, and the messages saying what was dropped."""
+    from onpolicy.models.registry import load_tokenizer
+
+    splits = load_splits(spec.dataset)
+    tokenizer = load_tokenizer(spec.model)
+    limit, chat = spec.rollout.max_prompt_tokens, spec.dataset.chat_template
+    train = prepare(splits.train, tokenizer, chat, limit, "dataset")
+    held = prepare(splits.eval, tokenizer, chat, limit, "eval split")
+    notes = [train.summary("dataset", limit)] + ([held.summary("eval split", limit)] if splits.eval else [])
+    rewards = RewardSet.load([(r.name, r.weight) for r in spec.rewards], allow_reward_modules)
+    return JobInputs(train.prompts, rewards, held.prompts), notes
+
+
 class _Job:
     def __init__(self, rec: JobRecord, events: list[JobEvent]) -> None:
         self.rec = rec
@@ -94,9 +142,12 @@ class _Job:
 
 
 class JobController:
-    def __init__(self, state_dir: str | Path, launcher: ServiceLauncher) -> None:
+    def __init__(self, state_dir: str | Path, launcher: ServiceLauncher,
+                 allow_reward_modules: Collection[str] = ()) -> None:
         self.store = JobStore(state_dir)
         self.launcher = launcher
+        self.allow_reward_modules = frozenset(allow_reward_modules)
+        """Top-level packages whose ``module:function`` rewards jobs may name."""
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -110,7 +161,10 @@ class JobController:
             check_engine(spec.rollout.engine)
 
     def submit(self, spec: JobSpec) -> JobRecord:
+        """Validate and start a job (``SpecError`` naming the fields; ``EngineUnavailable``)."""
         check_supported(spec)
+        check_inputs(spec, self.allow_reward_modules)
+        self.preflight(spec)
         job_id = uuid.uuid4().hex[:12]
         rec = JobRecord(job_id=job_id, spec=spec.model_dump(mode="json"))
         job = _Job(rec, [])
@@ -225,12 +279,14 @@ class JobController:
         rec = job.rec
         try:
             spec = parse_spec(rec.spec)
-            problems = load_dataset(spec.dataset)
+            inputs, notes = job_inputs(spec, self.allow_reward_modules)
+            for note in notes:
+                self._emit(job, JobEvent(job_id=rec.job_id, step=rec.step, state=JobState.PENDING, message=note))
             workdir = self.store.job_dir(rec.job_id)
             with self.launcher.launch(rec.job_id, spec) as stubs:
                 if job.cancel.is_set():
                     raise Cancelled()
-                loop = GRPOLoop(rec.job_id, spec, stubs, problems, Path(workdir), lambda ev: self._emit(job, ev),
+                loop = GRPOLoop(rec.job_id, spec, stubs, inputs, Path(workdir), lambda ev: self._emit(job, ev),
                                 job.cancel.is_set)
                 loop.run()
             self._finish(job, JobState.SUCCEEDED, f"completed {spec.steps} steps")
@@ -238,6 +294,10 @@ class JobController:
             if self._closed:
                 return  # controller shutting down: leave the job resumable
             self._finish(job, JobState.CANCELLED, "cancelled")
+        except INPUT_ERRORS as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.error("job %s failed: %s", rec.job_id, message)
+            self._finish(job, JobState.FAILED, message)
         except Exception as e:
             if self._closed and job.cancel.is_set():
                 return

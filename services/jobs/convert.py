@@ -1,7 +1,9 @@
 """``onpolicy.v1`` job messages <-> the controller's records and the pydantic ``JobSpec``.
 
-Spec fields have the same names on both sides; a field left at its proto default (0, "", empty)
-is absent for pydantic and takes the documented default.
+Spec fields have the same names on both sides and are converted field by field. Every scalar of the
+spec messages has presence (proto3 ``optional``): a field the caller set arrives exactly as set, 0,
+"" and false included; an unset field (or an empty list or map) is absent for pydantic and takes the
+documented default.
 """
 
 from __future__ import annotations
@@ -16,9 +18,27 @@ from onpolicy.services import api
 from .records import JobEvent, JobRecord, JobState
 
 
+def message_fields(msg: Any) -> dict[str, Any]:
+    """The fields ``msg`` carries, as plain values: a scalar when it is set, a sub-message when it is
+    present, a list or map when it is not empty (sub-messages converted the same way)."""
+    out: dict[str, Any] = {}
+    for fd in msg.DESCRIPTOR.fields:
+        value = getattr(msg, fd.name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            entry = fd.message_type.fields_by_name["value"]
+            if value:
+                out[fd.name] = {k: (message_fields(v) if entry.message_type else v) for k, v in value.items()}
+        elif fd.is_repeated:
+            if value:
+                out[fd.name] = [message_fields(v) if fd.message_type else v for v in value]
+        elif msg.HasField(fd.name):
+            out[fd.name] = message_fields(value) if fd.message_type else value
+    return out
+
+
 def spec_from_proto(msg: Any) -> JobSpec:
     """Validate a ``JobSpec`` message (raises ``SpecError`` naming the fields)."""
-    return parse_spec(json_format.MessageToDict(msg, preserving_proto_field_name=True))
+    return parse_spec(message_fields(msg))
 
 
 def spec_to_proto(spec: JobSpec | dict[str, Any]) -> Any:
@@ -37,7 +57,8 @@ def event_proto(ev: JobEvent) -> Any:
         reward_std=ev.reward_std, logdiff_max=ev.logdiff_max, tokens_checked=ev.tokens_checked,
         tokens_mismatched=ev.tokens_mismatched, rollout_tokens_per_s=ev.rollout_tokens_per_s,
         trainer_tokens_per_s=ev.trainer_tokens_per_s, weight_version=ev.weight_version, loss=ev.loss,
-        kl_k3=ev.kl_k3, message=ev.message, timestamp=ev.timestamp,
+        kl_k3=ev.kl_k3, message=ev.message, timestamp=ev.timestamp, eval_accuracy=ev.eval_accuracy,
+        eval_problems=ev.eval_problems,
         times=api.jobs_pb2.StepTimes(generate_s=t.generate_s, reward_s=t.reward_s, train_s=t.train_s,
                                      sync_s=t.sync_s, verify_s=t.verify_s, total_s=t.total_s))
 

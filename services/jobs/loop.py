@@ -22,14 +22,15 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from onpolicy.jobs.dataset import Problem, batch_at
-from onpolicy.jobs.rewards import RewardInput, total_reward
+from onpolicy.jobs.dataset import batch_at
+from onpolicy.jobs.prompts import Prompt
+from onpolicy.jobs.rewards import RewardInput, RewardSet
 from onpolicy.jobs.spec import JobSpec
 from onpolicy.services import api
 from onpolicy.trainer.grpo import group_advantages
@@ -57,10 +58,20 @@ class RoleStubs:
     None when the launcher cannot, and a lost service then fails the job."""
 
 
+@dataclass(frozen=True)
+class JobInputs:
+    """What a job trains on, prepared by the controller: the training prompts (chat template applied,
+    tokenized, too-long ones dropped), the held-out eval prompts, and the loaded rewards."""
+
+    prompts: list[Prompt]
+    rewards: RewardSet
+    eval_prompts: list[Prompt] = field(default_factory=list)
+
+
 class GRPOLoop:
-    def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, problems: list[Problem], workdir: Path,
+    def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, inputs: JobInputs, workdir: Path,
                  on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
-        self.job_id, self.spec, self.stubs, self.problems = job_id, spec, stubs, problems
+        self.job_id, self.spec, self.stubs, self.inputs = job_id, spec, stubs, inputs
         self.weights_dir = Path(spec.checkpoint.dir or workdir) / "weights"
         self.ckpt_dir = Path(spec.checkpoint.dir or workdir) / "checkpoints"
         self.on_event, self.should_stop = on_event, should_stop
@@ -71,15 +82,27 @@ class GRPOLoop:
         if self.should_stop():
             raise Cancelled()
 
-    def _generate(self, batch: list[Problem], step: int) -> list[Any]:
-        s = self.spec
+    def _generate(self, batch: list[Prompt], seed: int, temperature: float, n: int) -> list[Any]:
         req = api.rollout_pb2.GenerateRequest(
-            prompts=[api.rollout_pb2.Prompt(text=p.prompt) for p in batch],
-            params=api.rollout_pb2.SamplingParams(temperature=s.rollout.temperature,
-                                                  max_new_tokens=s.rollout.max_new_tokens,
-                                                  n=s.grpo.group_size, seed=s.seed * 1_000_003 + step))
+            prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch],
+            params=api.rollout_pb2.SamplingParams(temperature=temperature, n=n, seed=seed,
+                                                  max_new_tokens=self.spec.rollout.max_new_tokens))
         comps = [r.completion for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S)]
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def _reward_input(self, batch: list[Prompt], c: Any) -> RewardInput:
+        problem = batch[c.prompt_index].problem
+        return RewardInput(problem.prompt, c.text, problem.answer, len(c.token_ids), self.spec.rollout.max_new_tokens)
+
+    def evaluate(self) -> tuple[float, int]:
+        """Greedy completions of the eval prompts at the current weights: the mean of the eval reward
+        (``eval.reward``, default the first reward) and the number of problems scored."""
+        size = self.spec.eval.size or len(self.inputs.eval_prompts)
+        batch = self.inputs.eval_prompts[:size]
+        comps = self._generate(batch, seed=0, temperature=0.0, n=1)
+        name = self.spec.eval_reward
+        scores = [self.inputs.rewards.one(name, self._reward_input(batch, c)) for c in comps]
+        return statistics.fmean(scores), len(scores)
 
     def rollout_fingerprint(self) -> str:
         """Kernel fingerprint of the rollout service (recorded with every sample it produced)."""
@@ -113,8 +136,8 @@ class GRPOLoop:
         return self.stubs.trainer.TrainStep(req, timeout=CALL_TIMEOUT_S)
 
     def _sync(self) -> int:
-        ref = self.stubs.trainer.ExportWeights(
-            api.trainer_pb2.ExportWeightsRequest(directory=str(self.weights_dir)), timeout=CALL_TIMEOUT_S).weights
+        ref = self.stubs.trainer.ExportWeights(api.trainer_pb2.ExportWeightsRequest(
+            directory=str(self.weights_dir), keep_last=self.spec.checkpoint.keep_last), timeout=CALL_TIMEOUT_S).weights
         self.stubs.rollout.UpdateWeights(api.rollout_pb2.UpdateWeightsRequest(weights=ref), timeout=CALL_TIMEOUT_S)
         self.stubs.verifier.UpdateWeights(api.verifier_pb2.VerifierServiceUpdateWeightsRequest(weights=ref),
                                           timeout=CALL_TIMEOUT_S)
@@ -122,23 +145,21 @@ class GRPOLoop:
 
     def checkpoint(self, step: int) -> None:
         self.stubs.trainer.SaveCheckpoint(api.trainer_pb2.SaveCheckpointRequest(
-            directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id})),
-            timeout=CALL_TIMEOUT_S)
+            directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id}),
+            keep_last=self.spec.checkpoint.keep_last), timeout=CALL_TIMEOUT_S)
 
     def step(self, step: int) -> JobEvent:
         s = self.spec
         times = StepTimes()
         t_start = time.perf_counter()
-        batch = batch_at(self.problems, step * s.grpo.prompts_per_step, s.grpo.prompts_per_step)
+        batch = batch_at(self.inputs.prompts, step * s.grpo.prompts_per_step, s.grpo.prompts_per_step)
         self._check()
         t = time.perf_counter()
-        comps = self._generate(batch, step)
+        comps = self._generate(batch, s.seed * 1_000_003 + step, s.rollout.temperature, s.grpo.group_size)
         times.generate_s = time.perf_counter() - t
         gen_tokens = sum(len(c.token_ids) for c in comps)
         t = time.perf_counter()
-        names = [(r.name, r.weight) for r in s.rewards]
-        rewards = [total_reward(names, RewardInput(batch[c.prompt_index].prompt, c.text, batch[c.prompt_index].answer,
-                                                   len(c.token_ids), s.rollout.max_new_tokens)) for c in comps]
+        rewards = [self.inputs.rewards.total(self._reward_input(batch, c)) for c in comps]
         advantages = group_advantages(rewards, s.grpo.group_size)
         times.reward_s = time.perf_counter() - t
         self._check()
@@ -156,8 +177,12 @@ class GRPOLoop:
         done = step + 1
         if done == s.steps or (s.checkpoint.interval and done % s.checkpoint.interval == 0):
             self.checkpoint(done)
+        accuracy, scored = None, 0
+        if s.eval.interval and (done == s.steps or done % s.eval.interval == 0):
+            self._check()
+            accuracy, scored = self.evaluate()
         times.total_s = time.perf_counter() - t_start
-        return JobEvent(
+        return JobEvent(eval_accuracy=accuracy, eval_problems=scored,
             job_id=self.job_id, step=done, state=JobState.RUNNING,
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
             logdiff_max=report.max_abs_logdiff, tokens_checked=report.tokens_checked,
@@ -193,6 +218,11 @@ class GRPOLoop:
         again whenever a service is lost (at most ``MAX_RESUMES`` times in a row without progress)."""
         step = self.resume()
         self._event(step, "services ready")
+        if step == 0 and self.spec.eval.interval:
+            accuracy, scored = self.evaluate()
+            self.on_event(JobEvent(job_id=self.job_id, step=0, state=JobState.RUNNING, eval_accuracy=accuracy,
+                                   eval_problems=scored, message=f"eval before training: {accuracy:.3f} "
+                                                                 f"on {scored} problems"))
         resumes = 0
         while step < self.spec.steps:
             try:

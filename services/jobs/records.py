@@ -48,6 +48,9 @@ class JobEvent:
     times: StepTimes = field(default_factory=StepTimes)
     message: str = ""
     timestamp: float = field(default_factory=time.time)
+    eval_accuracy: float | None = None
+    """Mean eval reward of the greedy completions of the held-out split (None: not scored this step)."""
+    eval_problems: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -7,8 +7,20 @@ from onpolicy.rollout.engines import EngineUnavailable
 from onpolicy.services import api
 
 from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
-from .controller import JobController, JobNotFound, check_supported
+from ..common.server import GrpcServer, ServerConfig
+from .controller import JobController, JobNotFound
 from .convert import event_proto, job_proto, spec_from_proto
+
+
+def jobs_server(controller: JobController, config: ServerConfig) -> GrpcServer:
+    """A started gRPC server answering the JobService for ``controller``."""
+    from onpolicy.services.roles import SERVICE_NAMES
+
+    server = GrpcServer(config)
+    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
+                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
+    server.start()
+    return server
 
 
 class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
@@ -24,17 +36,16 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
             raise NotFound(f"no job {job_id!r}") from None
 
     def SubmitJob(self, request, context):
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec", "spec is required (the job to run)")
         try:
-            spec = spec_from_proto(request.spec)
-            check_supported(spec)
+            rec = self.controller.submit(spec_from_proto(request.spec))
         except SpecError as e:
             (field, desc), *rest = [(f"spec.{f}", d) for f, d in e.violations]
             raise InvalidArgument(field, desc, *(FieldViolation(f, d) for f, d in rest)) from None
-        try:
-            self.controller.preflight(spec)
         except EngineUnavailable as e:  # e.g. engine: vllm-ascend on a machine without vllm-ascend
             raise FailedPrecondition(str(e)) from None
-        return api.jobs_pb2.SubmitJobResponse(job=job_proto(self.controller.submit(spec)))
+        return api.jobs_pb2.SubmitJobResponse(job=job_proto(rec))
 
     def GetJob(self, request, context):
         return api.jobs_pb2.GetJobResponse(job=job_proto(self._record(request.job_id)))

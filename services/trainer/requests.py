@@ -126,6 +126,12 @@ def optimizer_config(msg: trainer_pb2.OptimizerConfig, field: str = "optimizer")
     return OptimizerConfig(**v)
 
 
+def keep_last(value: int) -> int:
+    if value < 0:
+        raise InvalidArgument("keep_last", f"must be >= 0 (0 keeps every version), got {value}")
+    return value
+
+
 def directory(value: str, field: str = "directory") -> str:
     if not value:
         raise InvalidArgument(field, "must name a directory")

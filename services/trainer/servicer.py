@@ -37,8 +37,9 @@ from onpolicy.parallel.peers import PeerFailed
 from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
 from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
 from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from onpolicy.trainer.checkpoint import LATEST, MANIFEST, CheckpointError, load_checkpoint
+from onpolicy.trainer.checkpoint import LATEST, MANIFEST, CheckpointError, load_checkpoint, prune_checkpoints
 from onpolicy.trainer.engine import TrainerEngine
+from onpolicy.weights import prune_weight_versions
 
 from . import requests
 
@@ -105,9 +106,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def ExportWeights(self, request: trainer_pb2.ExportWeightsRequest, context: grpc.ServicerContext,
                       ) -> trainer_pb2.ExportWeightsResponse:
         directory = requests.directory(request.directory)
+        requests.keep_last(request.keep_last)
         with self._engine():
             try:
                 ref = self.engine.export_weights(directory)
+                if request.keep_last > 0:
+                    prune_weight_versions(directory, request.keep_last)
             except OSError as e:
                 raise FailedPrecondition(f"cannot write weights under {directory}: {e.strerror or e}") from None
         return trainer_pb2.ExportWeightsResponse(weights=weights_ref_to_proto(ref))
@@ -116,9 +120,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                        ) -> trainer_pb2.SaveCheckpointResponse:
         directory = requests.directory(request.directory)
         extra = requests.extra_json(request.extra_json)
+        requests.keep_last(request.keep_last)
         with self._engine():
             try:
                 path = self.engine.save_checkpoint(directory, extra)
+                if request.keep_last > 0:
+                    prune_checkpoints(directory, request.keep_last)
             except CheckpointError as e:
                 raise FailedPrecondition(str(e)) from None
             except OSError as e:

@@ -214,7 +214,7 @@ def test_bad_input_file_is_one_line_usage_error(tmp_home: Path, tmp_path: Path, 
 
 @pytest.mark.parametrize(("case", "make_args", "fragment"), [
     ("not utf-8", lambda d, f: ["--model", "tiny-qwen3", "--input", str(_binary(d))], "not valid JSON"),
-    ("input is a directory", lambda d, f: ["--model", "tiny-qwen3", "--input", str(d)], "no such file"),
+    ("input is a directory", lambda d, f: ["--model", "tiny-qwen3", "--input", str(d)], "not a regular file"),
     ("model file not gguf", lambda d, f: ["--model", str(f), "--input", str(f)], ".gguf"),
     ("dir without config", lambda d, f: ["--model", str(d), "--input", str(f)], "config.json"),
     ("temperature nan", lambda d, f: ["--model", "tiny-qwen3", "--input", str(f), "--temperature", "nan"],

@@ -75,7 +75,8 @@ def test_trainer_service_with_two_ranks_equals_one(ray_cluster: None, batches: l
 
 
 def test_spec_degrees_reach_the_trainer_role() -> None:
-    spec = parse_spec({"parallel": {"trainer": {"dp": 2}}, "resources": {"trainer": {"npus": 2}}})
+    spec = parse_spec({"model": "tiny-qwen3", "parallel": {"trainer": {"dp": 2}},
+                       "resources": {"trainer": {"npus": 2}}})
     opts = role_options(spec, "trainer")
     assert (opts["trainer_dp"], opts["trainer_dp_npus"]) == (2, 2)
     opts = role_options(parse_spec({"model": "tiny-qwen3-moe", "parallel": {"trainer": {"tp": 2, "ep": 4}}}),

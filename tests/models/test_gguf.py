@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from onpolicy.models.chat_template import render_chat
 from onpolicy.models.gguf import (
     GGUFCheckpoint,
     permute_qk,
     read_gguf,
-    render_chat,
     smollm2_gguf_path,
     unpermute_qk,
 )

@@ -17,7 +17,7 @@ from onpolicy.models.causal_lm import CausalLM
 from onpolicy.models.tiny import tiny_checkpoint
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
-FAMILIES = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe")
 LOGPROB_TOL = 1e-4
 GRAD_RTOL = 1e-4
 PAD_ID = 256  # pad_token_id of the tiny configs (also <|endoftext|>)

@@ -43,7 +43,7 @@ def test_corrupt_dataset_names_the_line(tmp_path: Path) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer"\n')
     with pytest.raises(DatasetError, match=rf"{data}:2"):
-        load_dataset(parse_spec({"dataset": {"kind": "jsonl", "path": str(data)}}).dataset)
+        load_dataset(parse_spec({"model": "tiny-qwen3", "dataset": {"kind": "jsonl", "path": str(data)}}).dataset)
     data.write_text('{"prompt": "1+1="}\n')
     with pytest.raises(DatasetError):
         load_dataset(DatasetSpec(kind="jsonl", path=str(data)))

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from onpolicy.jobs.rewards import REWARDS, RewardInput, total_reward
+from onpolicy.jobs.rewards import REWARDS, RewardError, RewardInput, load_reward, total_reward
 from onpolicy.jobs.spec import SpecError, parse_spec
 from onpolicy.services import api
 from onpolicy.services.common import auth
@@ -106,7 +106,7 @@ def test_no_pickle_or_code_over_the_network() -> None:
         assert not [line for line in lines if line.startswith(("bytes ", "repeated bytes "))], proto
 
 
-def test_rewards_come_only_from_the_registry() -> None:
+def test_rewards_come_only_from_the_registry_or_allowed_packages() -> None:
     assert {"exact_answer", "format", "length_penalty"} <= set(REWARDS)
     for name in ("os.system", "__import__('os').system('true')", "onpolicy.jobs.rewards.exact_answer", "lambda x: 1",
                  "EXACT_ANSWER", ""):
@@ -115,5 +115,11 @@ def test_rewards_come_only_from_the_registry() -> None:
         assert e.value.violations[0][0] == "rewards[0].name"
     assert [f.name for f in api.jobs_pb2.RewardSpec.DESCRIPTOR.fields] == ["name", "weight"]  # no code field
     x = RewardInput("1+1=", "2", "2", 1, 8)
-    with pytest.raises(KeyError):  # the loop looks names up; nothing is imported or evaluated
+    with pytest.raises(RewardError, match="unknown reward"):  # nothing is imported or evaluated
         total_reward([("os.system", 1.0)], x)
+    # module:function passes the spec's form check, but is imported only from an allowed package
+    parse_spec({"model": "tiny-qwen3", "rewards": [{"name": "os:system"}]})
+    with pytest.raises(RewardError, match="package 'os' is not allowed on this controller"):
+        load_reward("os:system")
+    with pytest.raises(RewardError, match="not allowed"):
+        load_reward("os:system", allowed_modules=["mypkg"])

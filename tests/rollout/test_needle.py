@@ -11,7 +11,7 @@ import torch
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
-FAMILIES = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 
 def random_prompts(rng: random.Random, count: int, vocab: int, shared: list[int]) -> list[list[int]]:

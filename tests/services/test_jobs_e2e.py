@@ -23,16 +23,13 @@ TOKEN = secrets.token_urlsafe(16)
 def jobs(tmp_path_factory):
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
-    from onpolicy.services.common.server import GrpcServer, ServerConfig
+    from onpolicy.services.common.server import ServerConfig
     from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import JobServicer
+    from onpolicy.services.jobs.servicer import jobs_server
 
     init_ray()
     controller = JobController(tmp_path_factory.mktemp("controller"), RayLauncher(token=TOKEN))
-    server = GrpcServer(ServerConfig(port=0, token=TOKEN))
-    server.add_service("onpolicy.v1.JobService", JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    server.start()
+    server = jobs_server(controller, ServerConfig(port=0, token=TOKEN))
     stub = api.jobs_pb2_grpc.JobServiceStub(connect(server.address, token=TOKEN))
     yield stub, controller, server
     controller.shutdown()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from onpolicy.jobs.dataset import load_dataset
 from onpolicy.jobs.spec import load_spec_file
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
+from onpolicy.services.jobs.controller import job_inputs
 from onpolicy.services.jobs.loop import GRPOLoop, RoleStubs
 from onpolicy.services.roles import RoleOptions, start_role_server
 
@@ -42,7 +42,7 @@ def test_a_step_syncs_weights_to_rollout_and_verifier(stubs: RoleStubs, tmp_path
     spec = spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"recompute_old_logprobs": True,
                                                                         "weight_decay": 0.1})})
     events = []
-    loop = GRPOLoop("job-x", spec, stubs, load_dataset(spec.dataset), tmp_path, events.append, lambda: False)
+    loop = GRPOLoop("job-x", spec, stubs, job_inputs(spec)[0], tmp_path, events.append, lambda: False)
     before = fixed_prompt_logprobs(stubs)
     ev = loop.step(0)
     after = fixed_prompt_logprobs(stubs)

@@ -91,9 +91,9 @@ def stack(tmp_path_factory):
     binary = prometheus_binary()
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
-    from onpolicy.services.common.server import GrpcServer, ServerConfig
+    from onpolicy.services.common.server import ServerConfig
     from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import JobServicer
+    from onpolicy.services.jobs.servicer import jobs_server
     from onpolicy.services.verifier.exporter import MetricsHub
 
     work = tmp_path_factory.mktemp("prometheus")
@@ -102,10 +102,7 @@ def stack(tmp_path_factory):
     endpoint = hub.serve("127.0.0.1", 0)
     state = work / "controller"
     controller = JobController(state, RayLauncher(token=TOKEN, metrics=hub, state_dir=state))
-    server = GrpcServer(ServerConfig(port=0, token=TOKEN))
-    server.add_service("onpolicy.v1.JobService", JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    server.start()
+    server = jobs_server(controller, ServerConfig(port=0, token=TOKEN))
     prom = None
     try:
         prom, prom_url = start_prometheus(binary, endpoint.address, work)

@@ -38,7 +38,8 @@ def _engine(model: str, dtype: str, backend: str = "reference"):
     return VllmEngine(model, KernelConfig(backend=backend, compute_dtype=dtype), CONFIG)
 
 
-@pytest.fixture(scope="module", params=[("tiny-qwen3-hd32", "fp32"), ("tiny-llama-hd32", "bf16")],
+@pytest.fixture(scope="module",
+                params=[("tiny-qwen3-hd32", "fp32"), ("tiny-llama-hd32", "bf16"), ("tiny-qwen2-hd32", "bf16")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def vllm_engine(request):
     engine = _engine(*request.param)
@@ -151,6 +152,23 @@ def test_negative_control_vllm_own_kernels_differ_from_trainer() -> None:
 def test_uncovered_moe_layer_is_refused_by_name() -> None:
     with pytest.raises(Exception, match=r"FusedMoE.*not covered by the onpolicy operators"):
         _engine("tiny-qwen3-moe-hd32", "fp32")
+
+
+def test_scaled_rope_is_refused_by_name(tmp_path) -> None:
+    """A llama3-scaled RoPE runs on our engine; vLLM's scaled-RoPE class is not ours, so it is refused."""
+    import transformers
+
+    from onpolicy.models.tiny import byte_tokenizer
+
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(Exception, match=r"Llama3RotaryEmbedding.*not reproduced by the onpolicy RoPE table"):
+        _engine(str(tmp_path), "fp32")
 
 
 @pytest.mark.smollm2

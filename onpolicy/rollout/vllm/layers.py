@@ -5,7 +5,8 @@ the calls our own model code makes, so that a vLLM forward computes what our tra
 
 * linears — column, merged (gate/up), QKV and replicated: ``Backend.linear`` on the (merged)
   weight (an output element's bits depend on its own weight row only); row-parallel (``o_proj``,
-  ``down_proj``): ``Backend.row_linear``, the canonical chunked reduction;
+  ``down_proj``): ``Backend.row_linear``, the canonical chunked reduction; a bias (Qwen2's q/k/v,
+  Llama's ``attention_bias``) added after it in the model dtype, as our ``Linear`` adds it;
 * attention — the impl's ``forward`` and ``do_kv_cache_update``: K/V written and read through a
   ``kv_layouts`` adapter of the platform's cache, ``Backend.attention`` at our scale ``1/sqrt(D)``;
 * RMSNorm (with vLLM's fused residual add), SiluAndMul, RoPE (our fp32 table), the LM head
@@ -52,7 +53,7 @@ COMPOSITIONS = frozenset({
     "ModuleList", "PPMissingLayer",
     "LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
     "Qwen3ForCausalLM", "Qwen3Model", "Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP",
-    "Qwen2MLP",
+    "Qwen2ForCausalLM", "Qwen2Model", "Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP",
 })
 #: Families whose installer replaces the module's (or its impl's) whole forward.
 WHOLE_FORWARD = frozenset({"attention", "rms_norm", "silu_and_mul", "rope"})
@@ -92,9 +93,9 @@ class OnpolicyLinearMethod:
         self._inner, self._apply = inner, apply
 
     def apply(self, layer: Any, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        if bias is not None:
-            raise NotCovered(f"{type(layer).__name__} with a bias is not covered by the onpolicy operators")
         y = self._apply(x.reshape(-1, x.shape[-1]))
+        if bias is not None:  # our Linear.add_bias: one elementwise add in the model dtype
+            y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def __getattr__(self, name: str) -> Any:
@@ -276,6 +277,10 @@ def install(model: nn.Module, backend: Backend, platform: str) -> Installed:
             if type(module).__name__ not in COMPOSITIONS:
                 uncovered.append((path, type(module).__name__))
             continue
+        biased = getattr(module, "bias", None) is not None
+        if family == "row_linear" and biased and int(getattr(module, "tp_size", 1)) > 1:
+            raise NotCovered(f"{type(module).__name__} ({path}) with a bias under tensor parallelism: vLLM adds it "
+                             "before the reduction, the onpolicy operators after it")
         plan.append((family, path, module))
         if family in WHOLE_FORWARD:
             owned.append(path + ".")
