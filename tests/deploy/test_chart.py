@@ -189,6 +189,9 @@ def test_controller_runs_onpolicy_up_against_the_kuberay_head(render) -> None:
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     wait = deployment["spec"]["template"]["spec"]["initContainers"][0]
     assert wait["command"][-1] == args.ray_address
+    assert args.allow_reward_modules == ""  # only the registered rewards unless the operator allows more
+    c = controller(render(**{"controller.allowRewardModules": ["mypkg", "other"]}))
+    assert build_parser().parse_args(c["command"][1:] + c["args"]).allow_reward_modules == "mypkg,other"
 
 
 def test_controller_has_native_grpc_probes_on_the_grpc_port(render) -> None:
