@@ -15,13 +15,14 @@ from . import (
     generate_cmd,
     jobs_cmd,
     logprobs_cmd,
+    report_cmd,
     selftest_cmd,
     up_cmd,
 )
 from .common import UsageError
 
 COMMANDS = [selftest_cmd, logprobs_cmd, generate_cmd, consistency_cmd, diagnose_cmd, up_cmd, jobs_cmd, export_cmd,
-            bench_cmd]
+            report_cmd, bench_cmd]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -68,6 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="the job's sampling seed (default 0)")
     p.add_argument("--kernels", choices=["consistent", "fast"], default="consistent",
                    help="rollout kernels: fast shows the verifier catching a mismatch")
     p.add_argument("--engine", choices=["onpolicy", "vllm"], default="onpolicy",
@@ -267,13 +269,16 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_spec(model: str, steps: int, kernels: str, engine: str = "onpolicy") -> dict[str, Any]:
-    """The demo job (examples/jobs/demo.yaml with the model, steps and rollout kernels given)."""
-    return {"name": "demo", "model": model, "steps": steps,
-            "dataset": {"kind": "arithmetic", "size": 64, "max_operand": 20, "seed": 0},
+def demo_spec(model: str, steps: int, kernels: str, engine: str = "onpolicy", lr: float = 1e-5,
+              seed: int = 0) -> dict[str, Any]:
+    """The demo job (examples/jobs/demo.yaml with the model, steps, rollout kernels, learning rate and
+    seed given): the eval split is scored before the first step and after the last."""
+    return {"name": "demo", "model": model, "steps": steps, "seed": seed,
+            "dataset": {"kind": "arithmetic", "size": 64, "max_operand": 20, "seed": 0, "eval_size": 32},
             "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "length_penalty", "weight": 0.1}],
-            "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": 1e-5},
-            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels, "engine": engine}}
+            "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": lr},
+            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels, "engine": engine},
+            "eval": {"interval": steps}}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -301,7 +306,7 @@ def demo(args: argparse.Namespace) -> int:
         except EngineUnavailable as e:
             fail(str(e))
     try:
-        spec = parse_spec(demo_spec(args.model, args.steps, args.kernels, args.engine))
+        spec = parse_spec(demo_spec(args.model, args.steps, args.kernels, args.engine, args.lr, args.seed))
         check_inputs(spec)  # before Ray starts: a model that resolves nowhere is one line, exit 2
     except SpecError as e:
         fail(str(e))
@@ -326,12 +331,20 @@ def demo(args: argparse.Namespace) -> int:
         final = stream_events(args, stub, job.job_id, args.steps)
         rec = controller.get(job.job_id)
         events = controller.store.load_all()
-        steps = [e for r, evs in events if r.job_id == job.job_id for e in evs if e.weight_version]
+        mine = [e for r, evs in events if r.job_id == job.job_id for e in evs]
+        steps = [e for e in mine if e.weight_version]
+        evals = [e for e in mine if e.eval_accuracy is not None]
         mismatched = sum(e.tokens_mismatched for e in steps)
         checked = sum(e.tokens_checked for e in steps)
         if not args.json:
             say(f"job {job.job_id} {final}: {len(steps)} steps, {checked} tokens verified, {mismatched} mismatched"
                 + (f" ({rec.error})" if rec.error else ""))
+            if len(evals) >= 2:
+                first, last = evals[0], evals[-1]
+                say(f"eval accuracy (greedy, {last.eval_problems} held-out problems): step {first.step} "
+                    f"{first.eval_accuracy:.3f} -> step {last.step} {last.eval_accuracy:.3f} "
+                    f"({last.eval_accuracy - first.eval_accuracy:+.3f})")
+            say(f"plot it: onpolicy report {job.job_id} --state-dir {state_dir} --out {job.job_id}.png")
         ok = final == "SUCCEEDED" and (mismatched == 0 or args.kernels == "fast")
         return 0 if ok else 1
     finally:

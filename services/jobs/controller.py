@@ -255,6 +255,8 @@ class JobController:
         with job.changed:
             if not (ev.state is JobState.RUNNING and job.rec.state.terminal):
                 job.rec.state = ev.state
+            if ev.eval_accuracy is not None:
+                job.rec.eval_accuracy = ev.eval_accuracy
             if ev.state is JobState.RUNNING and ev.step:
                 job.rec.step = ev.step
                 if ev.weight_version:  # a step's event (not a message)

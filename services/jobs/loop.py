@@ -189,7 +189,8 @@ class GRPOLoop:
             tokens_mismatched=report.tokens_mismatched,
             rollout_tokens_per_s=gen_tokens / times.generate_s if times.generate_s else 0.0,
             trainer_tokens_per_s=train.tokens_per_second, weight_version=self.weight_version, loss=train.loss,
-            kl_k3=report.kl_k3, times=times)
+            kl_k3=report.kl_k3, times=times, grad_norm=train.grad_norm, clip_fraction=train.clip_fraction,
+            entropy=getattr(train, "entropy", 0.0))
 
     def resume(self) -> int:
         """Restore the trainer from the job's latest checkpoint (a job without one saves its step-0

@@ -51,6 +51,9 @@ class JobEvent:
     eval_accuracy: float | None = None
     """Mean eval reward of the greedy completions of the held-out split (None: not scored this step)."""
     eval_problems: int = 0
+    grad_norm: float = 0.0
+    clip_fraction: float = 0.0
+    entropy: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,15 +79,18 @@ class JobRecord:
     updated_at: float = field(default_factory=time.time)
     error: str = ""
     last_event: JobEvent | None = None
+    eval_accuracy: float | None = None
+    """The latest eval accuracy (None before the first eval)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "spec": self.spec, "state": self.state.value, "step": self.step,
                 "created_at": self.created_at, "updated_at": self.updated_at, "error": self.error,
-                "last_event": self.last_event.to_dict() if self.last_event else None}
+                "last_event": self.last_event.to_dict() if self.last_event else None,
+                "eval_accuracy": self.eval_accuracy}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobRecord:
         ev = d.get("last_event")
         return cls(job_id=d["job_id"], spec=d["spec"], state=JobState(d["state"]), step=d["step"],
                    created_at=d["created_at"], updated_at=d["updated_at"], error=d.get("error", ""),
-                   last_event=JobEvent.from_dict(ev) if ev else None)
+                   last_event=JobEvent.from_dict(ev) if ev else None, eval_accuracy=d.get("eval_accuracy"))

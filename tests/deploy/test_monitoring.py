@@ -31,7 +31,8 @@ RULE_TESTS = ROOT / "deploy" / "prometheus" / "rules.test.yaml"
 GRAFANA_DURATIONS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m"}
 # Queried by the dashboard, exported by the job controller (its aggregated /metrics), not by a
 # role service. Reward is known to the controller only (rule-based rewards are computed there).
-CONTROLLER_METRICS = {"onpolicy_job_reward_mean"}
+CONTROLLER_METRICS = {"onpolicy_job_reward_mean", "onpolicy_job_loss", "onpolicy_job_grad_norm", "onpolicy_job_clip_fraction",
+                      "onpolicy_job_entropy", "onpolicy_job_eval_accuracy", "onpolicy_job_kl_k3"}
 
 
 def promtool() -> str:
@@ -152,7 +153,9 @@ def test_dashboard_shape() -> None:
     by_metric = {m: [p for p in panels if any(m in t["expr"] for t in p["targets"])] for m in (
         "onpolicy_logdiff_max", "onpolicy_logdiff_bucket", "onpolicy_tokens_mismatched_total",
         "onpolicy_tokens_checked_total", "onpolicy_job_reward_mean", "onpolicy_rollout_tokens_generated_total",
-        "onpolicy_trainer_tokens_per_second", "onpolicy_weight_version", "onpolicy_verification_lag_seconds")}
+        "onpolicy_trainer_tokens_per_second", "onpolicy_weight_version", "onpolicy_verification_lag_seconds",
+        "onpolicy_job_loss", "onpolicy_job_grad_norm", "onpolicy_job_clip_fraction", "onpolicy_job_entropy",
+        "onpolicy_job_eval_accuracy")}
     assert all(by_metric.values()), [m for m, ps in by_metric.items() if not ps]
     assert any(p["type"] == "heatmap" for p in by_metric["onpolicy_logdiff_bucket"])
     mismatch_rate = [p for p in by_metric["onpolicy_tokens_mismatched_total"] if p["type"] == "timeseries"]

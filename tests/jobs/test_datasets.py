@@ -92,3 +92,15 @@ def test_long_prompts_are_dropped_and_counted() -> None:
     assert [list(p.ids) for p in raw.prompts] == [tok.encode(p.prompt) for p in problems]
     with pytest.raises(DatasetError, match="every one of its 4 prompts is longer"):
         prepare(problems, tok, True, 2)
+
+
+def test_plot_series_take_step_events_and_eval_events() -> None:
+    from onpolicy.jobs.plots import series
+
+    events = [{"step": 0, "weight_version": 0, "eval_accuracy": 0.25, "message": "eval before training"},
+              {"step": 1, "weight_version": 1, "reward_mean": 0.5, "loss": 0.1, "eval_accuracy": None},
+              {"step": 1, "weight_version": 2, "reward_mean": 0.7, "loss": 0.2},  # a redone step: the last counts
+              {"step": 2, "weight_version": 3, "reward_mean": 0.9, "eval_accuracy": 0.5}]
+    got = series(events)
+    assert got["reward_mean"] == [(1, 0.7), (2, 0.9)] and got["eval_accuracy"] == [(0, 0.25), (2, 0.5)]
+    assert "loss" in got and got["loss"] == [(1, 0.2)]

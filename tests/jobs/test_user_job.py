@@ -112,6 +112,17 @@ def test_a_users_own_job_runs_end_to_end_and_exports(jobs, user_env, tmp_path: P
 
     from onpolicy.cli.main import main
 
+    png = tmp_path / "curves.png"
+    assert main(["report", job_id, "--state-dir", str(state), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    from onpolicy.services.jobs.metrics import ControllerMetrics
+
+    gauges = {m.name: m for m in ControllerMetrics(jobs[1]).collect()}
+    mine = {name: [s.value for s in m.samples if s.labels.get("job") == job_id] for name, m in gauges.items()}
+    assert mine["onpolicy_job_eval_accuracy"] == [scored[-1].eval_accuracy]
+    assert mine["onpolicy_job_grad_norm"] == [steps[-1].grad_norm]  # 0 here: greedy groups, zero advantages
+    assert mine["onpolicy_job_loss"] == [steps[-1].loss]
+
     out = tmp_path / "exported"
     assert main(["export", job_id, "--hf", str(out), "--state-dir", str(state)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
