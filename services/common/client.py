@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from .auth import bearer
-from .server import DEFAULT_MAX_MESSAGE_BYTES, message_options
+from .server import DEFAULT_MAX_MESSAGE_BYTES, keepalive_options, message_options
 
 PathLike = str | os.PathLike[str]
 
@@ -82,7 +82,9 @@ def connect(address: str, token: str | None = None, tls_ca: PathLike | None = No
     """
     if (client_cert is None) != (client_key is None):
         raise ValueError("client_cert and client_key go together")
-    opts = [*message_options(max_message_bytes), *(options or [])]
+    # later entries win: the caller's options over the defaults
+    merged = [*message_options(max_message_bytes), *keepalive_options(), *(options or [])]
+    opts = list(dict(merged).items())
     if tls or tls_ca is not None or client_cert is not None:
         creds = grpc.ssl_channel_credentials(
             root_certificates=Path(tls_ca).read_bytes() if tls_ca is not None else None,

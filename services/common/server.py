@@ -40,6 +40,31 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_receive_message_length", max_message_bytes)]
 
 
+#: HTTP/2 keepalive: a client pings an idle connection every ``KEEPALIVE_S`` seconds, also with no
+#: call in flight, and a peer that has not answered a ping within ``KEEPALIVE_TIMEOUT_S`` is gone —
+#: a stream to a hung or unreachable service then fails with UNAVAILABLE instead of waiting forever.
+KEEPALIVE_S = 20.0
+KEEPALIVE_TIMEOUT_S = 10.0
+
+
+def keepalive_options(every_s: float = KEEPALIVE_S, timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, int]]:
+    """Client keepalive options (pings every ``every_s``, a dead peer after ``timeout_s`` more)."""
+    return [("grpc.keepalive_time_ms", int(every_s * 1000)), ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_time_between_pings_ms", int(every_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000))]
+
+
+def server_keepalive_options(every_s: float = 2 * KEEPALIVE_S) -> list[tuple[str, int]]:
+    """Server keepalive options: it pings its clients every ``every_s`` too, and accepts their pings
+    as often as once a second (more often is a client misbehaving)."""
+    return [("grpc.keepalive_time_ms", int(every_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -103,7 +128,9 @@ class GrpcServer:
             interceptors.append(TokenAuthInterceptor(self.config.token))
         interceptors.append(ErrorInterceptor())
         self._server = grpc.server(ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="grpc"),
-                                   interceptors=interceptors, options=message_options(self.config.max_message_bytes),
+                                   interceptors=interceptors,
+                                   options=[*message_options(self.config.max_message_bytes),
+                                            *server_keepalive_options()],
                                    maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
