@@ -40,6 +40,11 @@ def add_controller_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help=f"{prefix}times Ray restarts a job's crashed role service; the job then resumes from its "
                         "last checkpoint (default 3)")
+    p.add_argument("--max-running-jobs", type=int, default=None, metavar="N",
+                   help=f"{prefix}jobs whose services run at once; later jobs wait PENDING in a queue (default: the "
+                        "cluster's CPUs / 3, the CPUs of a job with the default resources)")
+    p.add_argument("--max-watch-streams", type=int, default=64, metavar="N",
+                   help=f"{prefix}open WatchJob streams served at once; beyond, RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--allow-reward-modules", default="", metavar="PKG[,PKG...]",
                    help=f"{prefix}top-level packages installed here whose module:function rewards jobs may name "
                         "(default: none, only the registered rewards)")
@@ -135,7 +140,8 @@ def state_dir_arg(value: str | None, default: Path) -> Path:
 
 def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
                       metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3,
-                      allow_reward_modules: list[str] | None = None) -> tuple[Any, Any]:
+                      allow_reward_modules: list[str] | None = None, max_running_jobs: int | None = None,
+                      max_watch_streams: int = 64) -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
     that every job's services register their /metrics with (the controller's own job metrics are
     added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
@@ -147,16 +153,23 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
 
     if max_restarts < 0:
         fail(f"--max-restarts must be >= 0, got {max_restarts}")
+    for flag, value in (("--max-running-jobs", max_running_jobs), ("--max-watch-streams", max_watch_streams)):
+        if value is not None and value < 1:
+            fail(f"{flag} must be >= 1, got {value}")
     init_ray(ray_address)
+    if max_running_jobs is None:
+        import ray
+
+        max_running_jobs = max(1, int(ray.cluster_resources().get("CPU", 3) // 3))
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
                                                       state_dir=state_dir, max_restarts=max_restarts),
-                               allow_reward_modules=allow_reward_modules or ())
+                               allow_reward_modules=allow_reward_modules or (), max_running_jobs=max_running_jobs)
     if metrics is not None:
         from onpolicy.services.jobs.metrics import ControllerMetrics
 
         metrics.registry.register(ControllerMetrics(controller))
     try:
-        server = jobs_server(controller, config)
+        server = jobs_server(controller, config, max_watch_streams)
     except RuntimeError as e:
         controller.shutdown()
         fail(str(e))
@@ -189,7 +202,8 @@ def up(args: argparse.Namespace) -> int:
     endpoint = start_metrics(hub.registry, args) if hub is not None else None
     server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                            args.ray_address, token, hub, args.service_host, args.max_restarts,
-                                           reward_modules(args.allow_reward_modules))
+                                           reward_modules(args.allow_reward_modules), args.max_running_jobs,
+                                           args.max_watch_streams)
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -225,7 +239,8 @@ def serve(args: argparse.Namespace) -> int:
         endpoint = start_metrics(hub.registry, args) if hub is not None else None
         server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                                args.ray_address, token, hub, args.service_host, args.max_restarts,
-                                               reward_modules(args.allow_reward_modules))
+                                               reward_modules(args.allow_reward_modules), args.max_running_jobs,
+                                               args.max_watch_streams)
     else:
         from onpolicy.rollout.engines import EngineUnavailable, check_engine
         from onpolicy.services.roles import RoleOptions, start_role

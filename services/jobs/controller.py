@@ -8,6 +8,7 @@ pushed to rollout and verifier), so no job and no checkpointed step is lost.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -94,6 +95,17 @@ def _model_admits(model: str, role: str, tp: int, ep: int) -> list[tuple[str, st
 INPUT_ERRORS = (DatasetError, RewardError, CheckpointError, ChatTemplateError, RoleStartupError)
 
 
+def failure_message(e: Exception) -> str:
+    """One line for a job that failed with ``e``: a failed call as its status and details (``FAILED_PRECONDITION:
+    not enough free space …``), anything else as its type and first line."""
+    import grpc
+
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        details = (e.details() or "").splitlines()
+        return f"{e.code().name}: {details[0] if details else ''}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def check_inputs(spec: JobSpec, allow_reward_modules: Collection[str] = ()) -> None:
     """Refuse (``SpecError`` naming the field) what this controller can tell is wrong before a job
     starts: a model that resolves nowhere, a dataset file that does not exist, a reward that is not
@@ -143,12 +155,18 @@ class _Job:
 
 class JobController:
     def __init__(self, state_dir: str | Path, launcher: ServiceLauncher,
-                 allow_reward_modules: Collection[str] = ()) -> None:
+                 allow_reward_modules: Collection[str] = (), max_running_jobs: int | None = None) -> None:
+        if max_running_jobs is not None and max_running_jobs < 1:
+            raise ValueError(f"max_running_jobs must be >= 1, got {max_running_jobs}")
         self.store = JobStore(state_dir)
         self.launcher = launcher
         self.allow_reward_modules = frozenset(allow_reward_modules)
         """Top-level packages whose ``module:function`` rewards jobs may name."""
+        self.max_running_jobs = max_running_jobs
+        """Jobs whose services run at once (None: no limit); later ones wait, PENDING, in a queue."""
         self._jobs: dict[str, _Job] = {}
+        self._running: set[str] = set()
+        self._queue: collections.deque[_Job] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -172,8 +190,14 @@ class JobController:
             self._jobs[job_id] = job
         self.store.save(rec)
         self._emit(job, JobEvent(job_id=job_id, step=0, state=JobState.PENDING, message="submitted"))
-        self._start(job)
+        self._admit(job)
         return rec
+
+    def queue_position(self, job_id: str) -> int:
+        """1-based place of a queued job (0: not queued)."""
+        with self._lock:
+            ids = [j.rec.job_id for j in self._queue]
+        return ids.index(job_id) + 1 if job_id in ids else 0
 
     def get(self, job_id: str) -> JobRecord:
         return self._job(job_id).rec
@@ -186,6 +210,9 @@ class JobController:
         job = self._job(job_id)
         if not job.rec.state.terminal:
             job.cancel.set()
+            with self._lock:
+                if job in self._queue:
+                    self._queue.remove(job)
             if job.thread is None or not job.thread.is_alive():
                 self._finish(job, JobState.CANCELLED, "cancelled")
         return job.rec
@@ -229,7 +256,7 @@ class JobController:
                 self._emit(job, JobEvent(job_id=rec.job_id, step=0, state=JobState.PENDING,
                                          message=f"controller restarted after step {rec.step}; "
                                                  "resuming from the last checkpoint"))
-                self._start(job)
+                self._admit(job)
         return resumed
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -272,10 +299,43 @@ class JobController:
             job.rec.error = message
         self._emit(job, JobEvent(job_id=job.rec.job_id, step=job.rec.step, state=state, message=message))
 
+    def _admit(self, job: _Job) -> None:
+        """Start ``job`` if fewer than ``max_running_jobs`` run, else queue it (PENDING, with its place)."""
+        with self._lock:
+            full = self.max_running_jobs is not None and len(self._running) >= self.max_running_jobs
+            if full:
+                self._queue.append(job)
+                place = len(self._queue)
+            else:
+                self._running.add(job.rec.job_id)
+        if full:
+            self._emit(job, JobEvent(job_id=job.rec.job_id, step=job.rec.step, state=JobState.PENDING,
+                                     message=f"queued: position {place} ({self.max_running_jobs} jobs run at once)"))
+        else:
+            self._start(job)
+
+    def _next_queued(self, done: _Job) -> None:
+        """``done`` has ended: start the first queued job, if any (not after shutdown)."""
+        with self._lock:
+            self._running.discard(done.rec.job_id)
+            nxt = self._queue.popleft() if self._queue and not self._closed else None
+            if nxt is not None:
+                self._running.add(nxt.rec.job_id)
+        if nxt is not None:
+            self._emit(nxt, JobEvent(job_id=nxt.rec.job_id, step=nxt.rec.step, state=JobState.PENDING,
+                                     message="starting: a running job has ended"))
+            self._start(nxt)
+
     def _start(self, job: _Job) -> None:
-        job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+        job.thread = threading.Thread(target=self._run_then_next, args=(job,), daemon=True,
                                       name=f"job-{job.rec.job_id}")
         job.thread.start()
+
+    def _run_then_next(self, job: _Job) -> None:
+        try:
+            self._run(job)
+        finally:
+            self._next_queued(job)
 
     def _run(self, job: _Job) -> None:
         rec = job.rec
@@ -304,4 +364,4 @@ class JobController:
             if self._closed and job.cancel.is_set():
                 return
             log.exception("job %s failed", rec.job_id)
-            self._finish(job, JobState.FAILED, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self._finish(job, JobState.FAILED, failure_message(e))

@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+import threading
+
 from onpolicy.jobs.spec import SpecError
 from onpolicy.rollout.engines import EngineUnavailable
 from onpolicy.services import api
 
-from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ResourceExhausted
 from ..common.server import GrpcServer, ServerConfig
 from .controller import JobController, JobNotFound
 from .convert import event_proto, job_proto, spec_from_proto
 
 
-def jobs_server(controller: JobController, config: ServerConfig) -> GrpcServer:
+def jobs_server(controller: JobController, config: ServerConfig,
+                max_watch_streams: int | None = None) -> GrpcServer:
     """A started gRPC server answering the JobService for ``controller``."""
     from onpolicy.services.roles import SERVICE_NAMES
 
     server = GrpcServer(config)
-    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
+    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller, max_watch_streams or DEFAULT_MAX_WATCH_STREAMS),
                        api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
     server.start()
     return server
 
 
+#: Open WatchJob streams one controller serves at once (beyond: RESOURCE_EXHAUSTED).
+DEFAULT_MAX_WATCH_STREAMS = 64
+
+
 class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
-    def __init__(self, controller: JobController) -> None:
+    def __init__(self, controller: JobController, max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS) -> None:
         self.controller = controller
+        self.max_watch_streams = max_watch_streams
+        self._watching = 0
+        self._watch_lock = threading.Lock()
 
     def _record(self, job_id: str):
         if not job_id:
@@ -59,5 +69,14 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
 
     def WatchJob(self, request, context):
         self._record(request.job_id)
-        for ev in self.controller.watch(request.job_id, alive=context.is_active):
-            yield api.jobs_pb2.WatchJobResponse(event=event_proto(ev))
+        with self._watch_lock:
+            if self._watching >= self.max_watch_streams:
+                raise ResourceExhausted(f"{self._watching} WatchJob streams are open, the most this controller "
+                                        "serves; close one or poll GetJob")
+            self._watching += 1
+        try:  # the stream lives as long as its client: watch() stops when the call is no longer active
+            for ev in self.controller.watch(request.job_id, alive=context.is_active):
+                yield api.jobs_pb2.WatchJobResponse(event=event_proto(ev))
+        finally:
+            with self._watch_lock:
+                self._watching -= 1

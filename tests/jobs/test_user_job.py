@@ -188,3 +188,43 @@ def test_submit_refuses_what_cannot_run_naming_the_field(jobs, user_env) -> None
     with pytest.raises(grpc.RpcError) as e:
         stub.SubmitJob(api.jobs_pb2.SubmitJobRequest(spec=msg), timeout=30)
     assert "spec.model" in dict(field_violations(e.value))
+
+
+def test_jobs_beyond_the_limit_queue_and_watch_streams_are_capped(jobs, user_env, tmp_path: Path) -> None:
+    """``max_running_jobs=1``: the second job waits PENDING with its place, then runs after the first;
+    a second WatchJob stream beyond ``max_watch_streams=1`` is RESOURCE_EXHAUSTED."""
+    import threading
+
+    from onpolicy.services.cluster.actors import RayLauncher
+    from onpolicy.services.common.server import ServerConfig
+    from onpolicy.services.jobs.controller import JobController
+    from onpolicy.services.jobs.servicer import jobs_server
+
+    controller = JobController(tmp_path / "state", RayLauncher(token=TOKEN), max_running_jobs=1,
+                               allow_reward_modules=[REWARDS])
+    server = jobs_server(controller, ServerConfig(port=0, token=TOKEN), max_watch_streams=1)
+    try:
+        stub = api.jobs_pb2_grpc.JobServiceStub(connect(server.address, token=TOKEN))
+        spec = user_spec(user_env, steps=2, eval={"interval": 0})
+        first = submit(stub, spec)
+        second = submit(stub, spec)
+        assert controller.queue_position(second) == 1 and controller.queue_position(first) == 0
+        first_events: list = []
+        watcher = threading.Thread(target=lambda: first_events.extend(events(stub, first)))
+        watcher.start()
+        while not controller.get(first).step and controller.get(first).state.value != "FAILED":
+            watcher.join(0.2)  # the first stream is open by now
+        with pytest.raises(grpc.RpcError) as e:
+            events(stub, second)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watcher.join(600)
+        assert first_events[-1].state == api.jobs_pb2.JOB_STATE_SUCCEEDED
+        done_at = first_events[-1].timestamp
+        rest = events(stub, second)  # the cap is free again
+        assert rest[-1].state == api.jobs_pb2.JOB_STATE_SUCCEEDED, rest[-1].message
+        queued = [e for e in rest if e.message.startswith("queued: position 1")]
+        running = [e for e in rest if e.state == api.jobs_pb2.JOB_STATE_RUNNING]
+        assert queued and running and running[0].timestamp >= done_at
+    finally:
+        controller.shutdown()
+        server.stop()
