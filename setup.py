@@ -1,4 +1,4 @@
-"""Maps the top-level folders into the ``onpolicy.*`` namespace (DESIGN §2) and generates the gRPC
+"""Maps the top-level folders into the ``onpolicy.*`` namespace and generates the gRPC
 modules at build time.
 
 ``kernels/`` installs as ``onpolicy.kernels``, ``services/`` as ``onpolicy.services`` and ``bench/`` as

@@ -1,4 +1,4 @@
-"""The consistent operator set (DESIGN §3).
+"""The consistent operator set (docs/numerics.md).
 
 ``KernelConfig`` holds the constants every operator is parameterised by; ``get_backend`` builds
 the operator set for a config (``reference`` — invariant torch kernels, ``fast`` — the plain fused

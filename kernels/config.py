@@ -1,7 +1,7 @@
 """``KernelConfig``: the constants of the consistent operator set and their fingerprint.
 
-Every bit a kernel produces depends on its inputs and on these constants only (DESIGN §3, the
-invariance rule). Services report the fingerprint, every weight version carries it, and the
+Every bit a kernel produces depends on its inputs and on these constants only (the invariance rule,
+docs/numerics.md). Services report the fingerprint, every weight version carries it, and the
 verifier refuses to compare logprobs produced under different fingerprints.
 """
 
@@ -44,7 +44,7 @@ class KernelConfig:
     reduce_chunks: int = 4
     """Row-parallel linears (``o_proj``, ``down_proj``) split their input dim K into this many equal
     chunks, compute one partial per chunk and fold the partials left to right in chunk order, at every
-    tensor-parallel degree (a TP degree must divide it): the canonical reduction of DESIGN §3."""
+    tensor-parallel degree (a TP degree must divide it): the canonical reduction (docs/parallelism.md)."""
     compute_dtype: DTypeName = "fp32"
     """Dtype of weights and activations between operators."""
     accum_dtype: Literal["fp32"] = "fp32"

@@ -6,7 +6,7 @@ Training and inference still share one routine (the reference's: fixed KV tile f
 −inf masking, one online-softmax formula) and the vendor GEMM / reduce-sum are batch-invariant,
 so the invariance argument is the reference backend's; ``onpolicy selftest --backend ascend``
 certifies it on the machine. The vendor's fused attention (FIA) is deliberately NOT used: its
-training counterpart splits the reduction differently, which DESIGN §3 alignment 2 forbids.
+training counterpart splits the reduction differently, which the contract forbids (docs/numerics.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The attention tile routine in torch: one numerical path for training, prefill, chunked prefill
-and paged decode (DESIGN §3, alignments 1–3).
+and paged decode (docs/numerics.md).
 
 Since contract 5 the reference backend runs the same routine in C (``kernels/native/attention.c``,
 with its own order of additions, reading K/V in place); this torch form is the specification the

@@ -1,4 +1,4 @@
-"""One attention semantics on every path (DESIGN §3, alignments 1–3).
+"""One attention semantics on every path (docs/numerics.md).
 
 The reference backend must give bitwise-equal outputs (``torch.equal``) for the same query whether it
 is computed in a training forward over packed sequences (``ContiguousKV``), in a prefill of its

@@ -1,4 +1,4 @@
-"""The invariance rule for every row-wise operator of the reference backend (DESIGN §3).
+"""The invariance rule for every row-wise operator of the reference backend (docs/numerics.md).
 
 For each op an output row must be bitwise the same (``torch.equal``) whatever the number of rows in
 the call, the row's position, the other rows' contents and the intra-op thread count — in fp32 and
