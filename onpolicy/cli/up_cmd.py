@@ -45,6 +45,12 @@ def add_controller_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                         "cluster's CPUs / 3, the CPUs of a job with the default resources)")
     p.add_argument("--max-watch-streams", type=int, default=64, metavar="N",
                    help=f"{prefix}open WatchJob streams served at once; beyond, RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--data-root", action="append", default=[], metavar="DIR",
+                   help=f"{prefix}datasets (and checkpoint dirs) a job names must lie under one of these "
+                        "(repeatable; default: anywhere)")
+    p.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                   help=f"{prefix}model paths a job names must lie under one of these (repeatable; default: anywhere; "
+                        "Hugging Face ids resolve in the HF cache)")
     p.add_argument("--allow-reward-modules", default="", metavar="PKG[,PKG...]",
                    help=f"{prefix}top-level packages installed here whose module:function rewards jobs may name "
                         "(default: none, only the registered rewards)")
@@ -141,7 +147,8 @@ def state_dir_arg(value: str | None, default: Path) -> Path:
 def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, token: str | None,
                       metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3,
                       allow_reward_modules: list[str] | None = None, max_running_jobs: int | None = None,
-                      max_watch_streams: int = 64) -> tuple[Any, Any]:
+                      max_watch_streams: int = 64, data_roots: list[str] | None = None,
+                      model_roots: list[str] | None = None) -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
     that every job's services register their /metrics with (the controller's own job metrics are
     added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
@@ -163,7 +170,8 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
         max_running_jobs = max(1, int(ray.cluster_resources().get("CPU", 3) // 3))
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
                                                       state_dir=state_dir, max_restarts=max_restarts),
-                               allow_reward_modules=allow_reward_modules or (), max_running_jobs=max_running_jobs)
+                               allow_reward_modules=allow_reward_modules or (), max_running_jobs=max_running_jobs,
+                               data_roots=data_roots or (), model_roots=model_roots or ())
     if metrics is not None:
         from onpolicy.services.jobs.metrics import ControllerMetrics
 
@@ -203,7 +211,7 @@ def up(args: argparse.Namespace) -> int:
     server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                            args.ray_address, token, hub, args.service_host, args.max_restarts,
                                            reward_modules(args.allow_reward_modules), args.max_running_jobs,
-                                           args.max_watch_streams)
+                                           args.max_watch_streams, args.data_root, args.model_root)
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -240,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
         server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                                args.ray_address, token, hub, args.service_host, args.max_restarts,
                                                reward_modules(args.allow_reward_modules), args.max_running_jobs,
-                                               args.max_watch_streams)
+                                               args.max_watch_streams, args.data_root, args.model_root)
     else:
         from onpolicy.rollout.engines import EngineUnavailable, check_engine
         from onpolicy.services.roles import RoleOptions, start_role

@@ -74,6 +74,13 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class PermissionDenied(ServiceError):
+    """The caller may not use what it named (a path outside the server's roots); the message names
+    the field."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(ServiceError):
     """The service cannot answer now (shutting down, engine stopped); retrying may succeed."""
 

@@ -28,6 +28,7 @@ from onpolicy.rollout.engines import OWN_ENGINE, check_engine
 
 from ..cluster.actors import RoleStartupError
 from .loop import Cancelled, GRPOLoop, JobInputs, RoleStubs
+from .paths import PathRoots, check_paths
 from .records import JobEvent, JobRecord, JobState
 from .store import JobStore
 
@@ -155,13 +156,17 @@ class _Job:
 
 class JobController:
     def __init__(self, state_dir: str | Path, launcher: ServiceLauncher,
-                 allow_reward_modules: Collection[str] = (), max_running_jobs: int | None = None) -> None:
+                 allow_reward_modules: Collection[str] = (), max_running_jobs: int | None = None,
+                 data_roots: Collection[str | Path] = (), model_roots: Collection[str | Path] = ()) -> None:
         if max_running_jobs is not None and max_running_jobs < 1:
             raise ValueError(f"max_running_jobs must be >= 1, got {max_running_jobs}")
         self.store = JobStore(state_dir)
         self.launcher = launcher
         self.allow_reward_modules = frozenset(allow_reward_modules)
         """Top-level packages whose ``module:function`` rewards jobs may name."""
+        self.roots = PathRoots(data=[Path(p) for p in data_roots], models=[Path(p) for p in model_roots],
+                               state=Path(state_dir))
+        """Where the paths a spec names may point (``services.jobs.paths``)."""
         self.max_running_jobs = max_running_jobs
         """Jobs whose services run at once (None: no limit); later ones wait, PENDING, in a queue."""
         self._jobs: dict[str, _Job] = {}
@@ -179,8 +184,9 @@ class JobController:
             check_engine(spec.rollout.engine)
 
     def submit(self, spec: JobSpec) -> JobRecord:
-        """Validate and start a job (``SpecError`` naming the fields; ``EngineUnavailable``)."""
+        """Validate and start a job (``SpecError`` naming the fields; ``PathRefused``; ``EngineUnavailable``)."""
         check_supported(spec)
+        check_paths(spec, self.roots)
         check_inputs(spec, self.allow_reward_modules)
         self.preflight(spec)
         job_id = uuid.uuid4().hex[:12]

@@ -8,10 +8,18 @@ from onpolicy.jobs.spec import SpecError
 from onpolicy.rollout.engines import EngineUnavailable
 from onpolicy.services import api
 
-from ..common.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound, ResourceExhausted
+from ..common.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from ..common.server import GrpcServer, ServerConfig
 from .controller import JobController, JobNotFound
 from .convert import event_proto, job_proto, spec_from_proto
+from .paths import PathRefused
 
 
 def jobs_server(controller: JobController, config: ServerConfig,
@@ -53,6 +61,10 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
         except SpecError as e:
             (field, desc), *rest = [(f"spec.{f}", d) for f, d in e.violations]
             raise InvalidArgument(field, desc, *(FieldViolation(f, d) for f, d in rest)) from None
+        except PathRefused as e:
+            if e.denied:
+                raise PermissionDenied(f"spec.{e.field}: {e}") from None
+            raise InvalidArgument(f"spec.{e.field}", str(e)) from None
         except EngineUnavailable as e:  # e.g. engine: vllm-ascend on a machine without vllm-ascend
             raise FailedPrecondition(str(e)) from None
         return api.jobs_pb2.SubmitJobResponse(job=job_proto(rec))

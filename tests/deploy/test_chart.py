@@ -190,8 +190,13 @@ def test_controller_runs_onpolicy_up_against_the_kuberay_head(render) -> None:
     wait = deployment["spec"]["template"]["spec"]["initContainers"][0]
     assert wait["command"][-1] == args.ray_address
     assert args.allow_reward_modules == ""  # only the registered rewards unless the operator allows more
-    c = controller(render(**{"controller.allowRewardModules": ["mypkg", "other"]}))
-    assert build_parser().parse_args(c["command"][1:] + c["args"]).allow_reward_modules == "mypkg,other"
+    assert args.data_root == [] and args.model_root == []
+    c = controller(render(**{"controller.allowRewardModules": ["mypkg", "other"],
+                             "controller.dataRoots": ["/mnt/onpolicy/data", "/data"],
+                             "controller.modelRoots": ["/mnt/onpolicy/models"]}))
+    args = build_parser().parse_args(c["command"][1:] + c["args"])
+    assert args.allow_reward_modules == "mypkg,other" and args.data_root == ["/mnt/onpolicy/data", "/data"]
+    assert args.model_root == ["/mnt/onpolicy/models"]
 
 
 def test_controller_has_native_grpc_probes_on_the_grpc_port(render) -> None:

@@ -1,0 +1,74 @@
+"""Server-side paths a job spec names (``model``, ``dataset.path``, ``dataset.eval_path``,
+``checkpoint.dir``), checked before a job is accepted.
+
+Every such path must be a regular file or a directory (never a FIFO, a device or a socket), and
+where the controller is given roots (``onpolicy up --data-root D --model-root M``) it must resolve —
+symlinks and ``..`` followed — to a place under one of them: datasets under a data root, model
+files and directories under a model root, a checkpoint directory under the controller's state
+directory or a data root. A path outside is PERMISSION_DENIED naming the field; a special file is
+INVALID_ARGUMENT. Without roots only the file-type rule applies (a single-user machine)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onpolicy.jobs.spec import JobSpec
+
+
+class PathRefused(Exception):
+    """``field`` names a path this controller does not serve (``denied``: outside its roots)."""
+
+    def __init__(self, field: str, message: str, denied: bool) -> None:
+        self.field, self.denied = field, denied
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class PathRoots:
+    data: Sequence[Path] = ()
+    models: Sequence[Path] = ()
+    state: Path | None = None
+    checkpoints: Sequence[Path] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        resolved = [Path(p).resolve() for p in self.data]
+        object.__setattr__(self, "data", resolved)
+        object.__setattr__(self, "models", [Path(p).resolve() for p in self.models])
+        state = [Path(self.state).resolve()] if self.state is not None else []
+        object.__setattr__(self, "checkpoints", [*state, *resolved])
+
+    @property
+    def enforced(self) -> bool:
+        return bool(self.data or self.models)
+
+
+def _check(field_name: str, value: str, roots: Sequence[Path], enforced: bool, must_exist: bool) -> None:
+    path = Path(value).expanduser()
+    if path.exists():
+        mode = path.stat().st_mode  # follows symlinks: the file that would be opened
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise PathRefused(field_name, f"{value}: not a regular file or directory", denied=False)
+    elif must_exist:
+        return  # existence is checked (and reported) by the input checks
+    if enforced:
+        real = Path(os.path.realpath(path))
+        if not any(real == r or real.is_relative_to(r) for r in roots):
+            where = ", ".join(map(str, roots)) or "none configured"
+            raise PathRefused(field_name, f"{value}: outside the roots this controller serves ({where})", denied=True)
+
+
+def check_paths(spec: JobSpec, roots: PathRoots) -> None:
+    """``PathRefused`` for the first path of ``spec`` this controller does not serve."""
+    d = spec.dataset
+    for name, value in (("dataset.path", d.path), ("dataset.eval_path", d.eval_path)):
+        if value and (d.kind != "hf" or Path(value).exists()):  # an hf dataset id is not a path
+            _check(name, value, roots.data, roots.enforced, must_exist=True)
+    model = Path(spec.model).expanduser()
+    if model.is_absolute() or model.exists() or spec.model.startswith("."):
+        _check("model", spec.model, roots.models, roots.enforced, must_exist=True)
+    if spec.checkpoint.dir:
+        _check("checkpoint.dir", spec.checkpoint.dir, roots.checkpoints, roots.enforced, must_exist=False)
