@@ -51,6 +51,14 @@ def add_controller_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     p.add_argument("--model-root", action="append", default=[], metavar="DIR",
                    help=f"{prefix}model paths a job names must lie under one of these (repeatable; default: anywhere; "
                         "Hugging Face ids resolve in the HF cache)")
+    p.add_argument("--role-tls-cert", metavar="PEM",
+                   help=f"{prefix}mutual TLS to each job's role services: the certificate they serve and the "
+                        "controller presents (readable at this path on every node)")
+    p.add_argument("--role-tls-key", metavar="PEM", help=f"{prefix}private key of --role-tls-cert")
+    p.add_argument("--role-tls-ca", metavar="PEM", help=f"{prefix}CA that signed --role-tls-cert")
+    p.add_argument("--role-tls-name", default="onpolicy-roles",
+                   help=f"{prefix}the name --role-tls-cert carries (checked instead of the node IP; "
+                        "default onpolicy-roles)")
     p.add_argument("--allow-reward-modules", default="", metavar="PKG[,PKG...]",
                    help=f"{prefix}top-level packages installed here whose module:function rewards jobs may name "
                         "(default: none, only the registered rewards)")
@@ -132,6 +140,21 @@ def reward_modules(value: str) -> list[str]:
     return names
 
 
+def role_tls_arg(args: argparse.Namespace) -> Any:
+    """``--role-tls-*`` as a ``RoleTLS`` (None without them; exit 2 when incomplete or missing)."""
+    files = {"cert": args.role_tls_cert, "key": args.role_tls_key, "ca": args.role_tls_ca}
+    if not any(files.values()):
+        return None
+    missing = [f"--role-tls-{k}" for k, v in files.items() if not v]
+    if missing:
+        fail(f"--role-tls-cert, --role-tls-key and --role-tls-ca go together (missing {', '.join(missing)})")
+    for k, v in files.items():
+        read_file_arg(v, f"--role-tls-{k}")
+    from onpolicy.services.cluster.actors import RoleTLS
+
+    return RoleTLS(server_name=args.role_tls_name, **files)
+
+
 def state_dir_arg(value: str | None, default: Path) -> Path:
     """``--state-dir`` (or ``default``) as a directory that exists or can be made (exit 2 otherwise)."""
     path = Path(value) if value else default
@@ -148,7 +171,7 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
                       metrics: Any = None, service_host: str = "127.0.0.1", max_restarts: int = 3,
                       allow_reward_modules: list[str] | None = None, max_running_jobs: int | None = None,
                       max_watch_streams: int = 64, data_roots: list[str] | None = None,
-                      model_roots: list[str] | None = None) -> tuple[Any, Any]:
+                      model_roots: list[str] | None = None, role_tls: Any = None) -> tuple[Any, Any]:
     """Ray + controller + JobService; returns (server, controller). ``metrics``: a ``MetricsHub``
     that every job's services register their /metrics with (the controller's own job metrics are
     added to it). ``service_host``: where the role services bind (0.0.0.0 on a multi-node cluster:
@@ -169,7 +192,8 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
 
         max_running_jobs = max(1, int(ray.cluster_resources().get("CPU", 3) // 3))
     controller = JobController(state_dir, RayLauncher(host=service_host, token=token, metrics=metrics,
-                                                      state_dir=state_dir, max_restarts=max_restarts),
+                                                      state_dir=state_dir, max_restarts=max_restarts,
+                                                      tls=role_tls),
                                allow_reward_modules=allow_reward_modules or (), max_running_jobs=max_running_jobs,
                                data_roots=data_roots or (), model_roots=model_roots or ())
     if metrics is not None:
@@ -211,7 +235,8 @@ def up(args: argparse.Namespace) -> int:
     server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                            args.ray_address, token, hub, args.service_host, args.max_restarts,
                                            reward_modules(args.allow_reward_modules), args.max_running_jobs,
-                                           args.max_watch_streams, args.data_root, args.model_root)
+                                           args.max_watch_streams, args.data_root, args.model_root,
+                                           role_tls_arg(args))
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
         wait_for_signal()
@@ -248,7 +273,8 @@ def serve(args: argparse.Namespace) -> int:
         server, controller = start_jobs_server(config, state_dir_arg(args.state_dir, default_state_dir()),
                                                args.ray_address, token, hub, args.service_host, args.max_restarts,
                                                reward_modules(args.allow_reward_modules), args.max_running_jobs,
-                                               args.max_watch_streams, args.data_root, args.model_root)
+                                               args.max_watch_streams, args.data_root, args.model_root,
+                                               role_tls_arg(args))
     else:
         from onpolicy.rollout.engines import EngineUnavailable, check_engine
         from onpolicy.services.roles import RoleOptions, start_role

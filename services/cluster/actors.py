@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,26 @@ DEFAULT_MAX_RESTARTS = 3
 RESOLVE_TIMEOUT_S = 300.0
 
 
+@dataclass(frozen=True)
+class RoleTLS:
+    """Mutual TLS between the controller and a job's role services: PEM files readable at the same
+    paths on every node (e.g. a Kubernetes Secret the chart mounts). Each role serves TLS with
+    ``cert``/``key`` and accepts only clients whose certificate ``ca`` signed; the controller
+    presents the same certificate and checks the role's against ``ca`` under the name
+    ``server_name`` (which the certificate must carry: roles listen on node IPs that no certificate
+    can name in advance)."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str = "onpolicy-roles"
+
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "ca"):
+            if not Path(getattr(self, name)).is_file():
+                raise ValueError(f"role TLS {name}: {getattr(self, name)}: no such file")
+
+
 class RoleStartupError(RuntimeError):
     """A role service could not start (its model does not load, its backend is not certified, …):
     not retried, the job fails with this one-line message."""
@@ -52,7 +72,7 @@ class ServiceActor:
     only fail again."""
 
     def __init__(self, role: str, options: dict[str, Any], host: str, token: str | None, threads: int,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, tls: dict[str, str] | None = None) -> None:
         ray_env()
         import torch
 
@@ -62,8 +82,12 @@ class ServiceActor:
         self.role_name = role
         self.startup_error = ""
         try:
+            from ..common.server import ServerConfig
+
+            config = ServerConfig(host=host, port=0, token=token, tls_cert=tls["cert"], tls_key=tls["key"],
+                                  tls_client_ca=tls["ca"]) if tls else None
             self.role = start_role(role, RoleOptions(**options), host=host, token=token,
-                                   metrics_host=host if metrics else None)
+                                   metrics_host=host if metrics else None, server_config=config)
         except Exception as e:
             log.exception("the %s service could not start", role)
             first = str(e).splitlines()[0] if str(e) else ""
@@ -170,10 +194,11 @@ class RayLauncher:
     under which the verifier keeps its mismatch store unless the spec names a checkpoint dir."""
 
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
-                 state_dir: str | Path | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
+                 state_dir: str | Path | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS,
+                 tls: RoleTLS | None = None) -> None:
         if max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
-        self.host, self.token = host, token
+        self.host, self.token, self.tls = host, token, tls
         self.loopback = host.startswith("127.") or host in ("localhost", "::1", "[::1]")
         self.metrics = metrics
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -206,9 +231,12 @@ class RayLauncher:
         for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
                                ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
                                ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
-            # off-loopback (a multi-node cluster) the token crosses the cluster network in plaintext:
-            # restrict that network (docs/deploy.md); TLS between roles is not built yet
-            ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
+            if self.tls is not None:  # mutual TLS: the token travels encrypted
+                ch = connect(addresses[role], token=self.token, tls_ca=self.tls.ca, client_cert=self.tls.cert,
+                             client_key=self.tls.key, options=[("grpc.ssl_target_name_override",
+                                                                self.tls.server_name)])
+            else:  # off-loopback the token crosses the cluster network in plaintext (docs/deploy.md)
+                ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
             channels.append(ch)
             stubs[role] = stub_cls(ch)
         return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels))
@@ -228,7 +256,8 @@ class RayLauncher:
                     name=f"onpolicy-{job_id}-{role}", max_restarts=self.max_restarts,
                     **actor_options(res.npus, res.cpus),
                 ).remote(role, role_options(spec, role, job_id, mismatch_dir), self.host, self.token,
-                         max(1, int(res.cpus)), self.metrics is not None)
+                         max(1, int(res.cpus)), self.metrics is not None,
+                         asdict(self.tls) if self.tls is not None else None)
             yield self._connect(job_id, actors, channels)
         finally:
             if self.metrics is not None:
