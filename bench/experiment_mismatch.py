@@ -77,7 +77,7 @@ def run_arm(arm: str, spec: dict[str, Any], state: Path) -> list[dict[str, Any]]
         for resp in stub.WatchJob(api.jobs_pb2.WatchJobRequest(job_id=job.job_id)):
             ev = event_dict(resp.event)
             events.append(ev)
-            if ev.get("weight_version"):
+            if int(ev.get("weight_version") or 0):
                 print(f"[{arm}] step {ev['step']}: reward {ev['reward_mean']:.3f} kl_k3 {ev['kl_k3']:.2e} "
                       f"mean|logdiff| {ev.get('logdiff_mean', 0):.2e}"
                       + (f" eval {ev['eval_accuracy']:.3f}" if "eval_accuracy" in ev else ""),

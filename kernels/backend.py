@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .config import KernelConfig
 from .kv import AttentionBatch, KVSource, PagedCacheWrite
+from .truncation import RowTruncation, truncate
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,10 @@ class TokenLogprobs(torch.autograd.Function):
     so its bits are the no-grad path's) and the gather; the full log-softmax is saved. Backward, for
     the gradient ``g`` of row n's token logprob: ``d logits = (onehot(target) - softmax) * g / t``,
     computed in place in the saved log-softmax (one exp pass, one scale pass, one scatter), then the
-    two GEMMs of the LM head in fp32. A second backward through the same graph is refused by
-    autograd (the saved tensor has changed), never silently wrong."""
+    two GEMMs of the LM head in fp32. With truncation the saved log-softmax is the truncated one:
+    ``exp(-inf) = 0`` gives excluded tokens a zero gradient (the kept set is a constant). A second
+    backward through the same graph is refused by autograd (the saved tensor has changed), never
+    silently wrong."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,  # type: ignore[override]
@@ -171,6 +174,46 @@ class TokenLogprobs(torch.autograd.Function):
         hidden, lm_head, lp, temperature, targets = ctx.saved_tensors
         scale = (grad.float() / temperature.float())[:, None]
         dlogits = lp.exp_().mul_(-scale).scatter_add_(1, targets[:, None], scale)
+        gx = dlogits.mm(lm_head.float()).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        gw = dlogits.t().mm(hidden.float()).to(lm_head.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None
+
+
+def _entropy_of(lp: Tensor) -> Tensor:
+    """fp32 ``[N]``: ``-sum_v exp(lp) * lp`` of a log-softmax ``lp [N, V]`` (a token of probability 0
+    contributes 0)."""
+    return -(lp.exp() * lp).nan_to_num_(nan=0.0).sum(-1)
+
+
+class TokenLogprobsEntropy(torch.autograd.Function):
+    """``Backend.token_logprobs_entropy`` under autograd: ``TokenLogprobs`` plus the entropy of each
+    row's distribution, both read from the one saved log-softmax. Backward, for gradients ``g`` of
+    the token logprob and ``h`` of the entropy ``H``: ``d logits = (onehot(target) - p) * g / t
+    - p * (lp + H) * h / t``. When the entropy is not differentiated (``h`` is None) the backward
+    is ``TokenLogprobs``'s, the same operations in the same order (the same bits)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,  # type: ignore[override]
+                logprobs: object) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        lp = logprobs(hidden, lm_head, temperature)  # type: ignore[operator]
+        entropy = _entropy_of(lp)
+        ctx.save_for_backward(hidden, lm_head, lp, temperature, targets, entropy)
+        return at_targets(lp, targets), entropy
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, lm_head, lp, temperature, targets, entropy = ctx.saved_tensors
+        if grad is None:
+            grad = torch.zeros_like(entropy)
+        scale = (grad.float() / temperature.float())[:, None]
+        if grad_entropy is None:
+            dlogits = lp.exp_().mul_(-scale).scatter_add_(1, targets[:, None], scale)
+        else:
+            p = lp.exp()
+            h = (grad_entropy.float() / temperature.float())[:, None]
+            dlogits = lp.add_(entropy[:, None]).mul_(p).mul_(-h).nan_to_num_(nan=0.0)
+            dlogits.sub_(p.mul_(scale)).scatter_add_(1, targets[:, None], scale)
         gx = dlogits.mm(lm_head.float()).to(hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = dlogits.t().mm(hidden.float()).to(lm_head.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None
@@ -283,13 +326,38 @@ class Backend(ABC):
         another, like vLLM, calls the two halves and gets these bits)."""
         return self.logprobs_of_logits(self.lm_logits(hidden, lm_head), temperature)
 
-    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
-        """fp32 ``[N]``: ``logprobs(hidden, lm_head, temperature)`` at each row's ``targets`` (int64
-        ``[N]``), with the bits of that gather. Under autograd the forward is :meth:`logprobs` itself
-        and the backward is the analytic gradient in place over the saved log-softmax
-        (``TokenLogprobs``), instead of autograd's gather / log-softmax / division backward passes,
-        each a fresh ``[N, V]`` tensor."""
+    def truncate_logprobs(self, logprobs: Tensor, truncation: RowTruncation | None) -> Tensor:
+        """The top-k / top-p / min-p truncated, renormalised ``logprobs [N, V]`` (``kernels.truncation``:
+        rows without active truncation keep their bits). Rollout and trainer both apply it to the
+        bits of :meth:`logprobs`, so the distribution sampled is the one scored."""
+        return truncate(logprobs, truncation)
+
+    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,
+                       truncation: RowTruncation | None = None) -> Tensor:
+        """fp32 ``[N]``: ``truncate_logprobs(logprobs(hidden, lm_head, temperature), truncation)`` at
+        each row's ``targets`` (int64 ``[N]``), with the bits of that gather. Under autograd the forward
+        is that call itself and the backward is the analytic gradient in place over the saved
+        (truncated) log-softmax (``TokenLogprobs``: excluded tokens get a zero gradient), instead of
+        autograd's gather / log-softmax / division backward passes, each a fresh ``[N, V]`` tensor."""
+        def full(h: Tensor, w: Tensor, t: Tensor) -> Tensor:
+            return self.truncate_logprobs(self.logprobs(h, w, t), truncation)
+
         differentiable = hidden.requires_grad or lm_head.requires_grad
         if torch.is_grad_enabled() and differentiable and not temperature.requires_grad:
-            return TokenLogprobs.apply(hidden, lm_head, temperature, targets, self.logprobs)
-        return at_targets(self.logprobs(hidden, lm_head, temperature), targets)
+            return TokenLogprobs.apply(hidden, lm_head, temperature, targets, full)
+        return at_targets(full(hidden, lm_head, temperature), targets)
+
+    def token_logprobs_entropy(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,
+                               truncation: RowTruncation | None = None) -> tuple[Tensor, Tensor]:
+        """fp32 ``[N]`` twice: :meth:`token_logprobs` (the same bits) and the entropy of each row's
+        distribution (the one :meth:`token_logprobs` reads, truncated when ``truncation`` is given),
+        from the same log-softmax. Under autograd both are differentiable with the analytic backward
+        (``TokenLogprobsEntropy``)."""
+        def full(h: Tensor, w: Tensor, t: Tensor) -> Tensor:
+            return self.truncate_logprobs(self.logprobs(h, w, t), truncation)
+
+        differentiable = hidden.requires_grad or lm_head.requires_grad
+        if torch.is_grad_enabled() and differentiable and not temperature.requires_grad:
+            return TokenLogprobsEntropy.apply(hidden, lm_head, temperature, targets, full)
+        lp = full(hidden, lm_head, temperature)
+        return at_targets(lp, targets), _entropy_of(lp)

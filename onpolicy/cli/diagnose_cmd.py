@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-ids", help="continuation token ids (default: sampled by the rollout path)")
     p.add_argument("--index", type=int, default=0, help="which completion of a generate --json file (default 0)")
     p.add_argument("--rollout", default="", metavar="OPTS",
-                   help="rollout path key=value,...: kernels, dtype, temperature, kv_tile, weights")
+                   help="rollout path key=value,...: kernels, dtype, temperature, top_k, top_p, min_p, kv_tile, "
+                        "weights")
     p.add_argument("--trainer", default="", metavar="OPTS", help="training path key=value,... (same keys)")
     p.add_argument("--temperature", type=float, default=None,
                    help="both paths' temperature (default: the sample's, else 1; 0 = greedy sampling)")

@@ -13,6 +13,7 @@ from onpolicy.rollout.names import ENGINES, OWN_ENGINE
 from .common import add_model_args, emit_json, fail, kernel_config, load
 
 if TYPE_CHECKING:
+    from onpolicy.kernels.truncation import Truncation
     from onpolicy.models.checkpoint import LoadedModel
     from onpolicy.rollout import EngineConfig
     from onpolicy.rollout.interface import Engine, EngineSnapshot
@@ -27,6 +28,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", choices=["on", "off"], default="on")
 
 
+def add_truncation_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--top-p`` / ``--top-k`` / ``--min-p`` (``onpolicy.kernels.truncation``)."""
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus truncation {what} (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help=f"keep the k most likely tokens {what} (default 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help=f"keep tokens >= min_p x the most likely one's probability {what} (default 0 = off)")
+
+
+def truncation_of(args: argparse.Namespace) -> Truncation:
+    """The command line's truncation (exits naming the bad value)."""
+    from onpolicy.kernels.truncation import Truncation
+
+    try:
+        return Truncation(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    except ValueError as e:
+        fail(f"--{str(e).split()[0].replace('_', '-')}: {e}")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions with token logprobs (rollout engine)")
     add_model_args(p)
@@ -36,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    add_truncation_args(p, "when sampling; logprobs are the renormalised ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the model's chat template to text prompts")
     add_engine_args(p)
@@ -124,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.n,
-                                seed=args.seed)
+                                seed=args.seed, **truncation_of(args).to_dict())
     except ValueError as e:
         fail(str(e))
     engine_config(args)  # validate engine options before loading the model
@@ -154,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                    "completions": [{"prompt_index": c.prompt_index, "sample_index": c.sample_index,
                                     "prompt_ids": list(c.prompt_ids), "token_ids": list(c.token_ids),
                                     "logprobs": list(c.logprobs), "temperature": c.temperature,
+                                    **c.truncation.to_dict(),
                                     "text": decode(list(c.token_ids)) if decode else None,
                                     "finish_reason": c.finish_reason} for c in comps]})
     else:

@@ -7,8 +7,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from .common import add_model_args, emit_json, fail, kernel_config, load, read_json
+from .generate_cmd import add_truncation_args, truncation_of
 
 if TYPE_CHECKING:
+    from onpolicy.kernels.truncation import Truncation
     from onpolicy.trainer.forward import ScoredSequence
 
 
@@ -17,15 +19,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--input", required=True, help='JSON list of {"prompt_ids": [...], "token_ids": [...]}')
     p.add_argument("--temperature", type=float, default=1.0)
+    add_truncation_args(p, "of the distribution scored (an item's top_k/top_p/min_p override it)")
     p.add_argument("--pack-tokens", type=int, default=4096, help="rows per packed batch (default 4096)")
     p.add_argument("--json", action="store_true", help="print JSON (floats round-trip exactly)")
     p.set_defaults(func=run)
 
 
-def parse_sequences(data: Any, temperature: float, source: str) -> list[ScoredSequence]:
-    """A list of {prompt_ids, token_ids[, temperature]} items, or generate's output object."""
+def parse_sequences(data: Any, temperature: float, source: str, truncation: Truncation | None = None,
+                    ) -> list[ScoredSequence]:
+    """A list of {prompt_ids, token_ids[, temperature, top_k, top_p, min_p]} items, or generate's output
+    object; missing keys take ``temperature`` / ``truncation``."""
+    from onpolicy.kernels.truncation import NONE
     from onpolicy.trainer.forward import ScoredSequence
 
+    default = (truncation or NONE).to_dict()
     if isinstance(data, dict) and "completions" in data:
         data = data["completions"]
     if not isinstance(data, list) or not data:
@@ -43,7 +50,11 @@ def parse_sequences(data: Any, temperature: float, source: str) -> list[ScoredSe
         t = item.get("temperature", temperature)
         if not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
             fail(f"{source}: item {i}: temperature must be a finite number > 0")
-        seqs.append(ScoredSequence(ids["prompt_ids"], ids["token_ids"], float(t)))
+        trunc = {k: item.get(k, v) for k, v in default.items()}
+        try:
+            seqs.append(ScoredSequence(ids["prompt_ids"], ids["token_ids"], float(t), **trunc))
+        except (TypeError, ValueError) as e:
+            fail(f"{source}: item {i}: {e}")
     return seqs
 
 
@@ -56,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         fail("--temperature must be a finite number > 0")
     if args.pack_tokens < 1:
         fail("--pack-tokens must be >= 1")
-    seqs = parse_sequences(read_json(args.input), args.temperature, args.input)
+    truncation = truncation_of(args)
+    seqs = parse_sequences(read_json(args.input), args.temperature, args.input, truncation)
     config = kernel_config(args)
     lm = load(args, config)
     try:

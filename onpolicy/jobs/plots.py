@@ -18,7 +18,8 @@ PANELS: list[tuple[str, list[tuple[str, str]], bool]] = [
     ("policy loss", [("loss", "loss")], False),
     ("grad norm / clip fraction", [("grad norm", "grad_norm"), ("clip fraction", "clip_fraction")], False),
     ("entropy", [("entropy", "entropy")], False),
-    ("rollout vs trainer", [("KL k3", "kl_k3"), ("max |logdiff|", "logdiff_max")], True),
+    ("rollout vs trainer", [("KL k3", "kl_k3"), ("max |logdiff|", "logdiff_max"),
+                            ("mean |logdiff|", "logdiff_mean")], True),
     ("throughput (tokens/s)", [("rollout", "rollout_tokens_per_s"), ("trainer", "trainer_tokens_per_s")], False),
     ("tokens verified / mismatched", [("checked", "tokens_checked"), ("mismatched", "tokens_mismatched")], False),
 ]
@@ -30,7 +31,7 @@ def series(events: Iterable[Mapping[str, Any]]) -> dict[str, list[tuple[int, flo
     out: dict[str, dict[int, float]] = {}
     for ev in events:
         step = int(ev.get("step", 0))
-        is_step = bool(ev.get("weight_version"))
+        is_step = int(ev.get("weight_version") or 0) > 0  # WatchJob's JSON spells int64 as a string
         for _, fields, _ in PANELS:
             for _, name in fields:
                 value = ev.get(name)

@@ -107,11 +107,86 @@ class GRPOSpec(_Strict):
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     epochs: int = Field(1, ge=1, le=100)
     minibatches: int = Field(1, ge=1, le=4096)
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """``token-mean``: every token weighs the same; ``seq-mean``: every sequence does;
+    ``seq-mean-token-sum-norm``: each sequence's token sum divided by ``rollout.max_new_tokens``, then
+    the mean over sequences (Dr. GRPO: no length normalisation). ``docs/algorithms.md``."""
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     recompute_old_logprobs: bool = False
-    """Recompute old logprobs on the trainer (the baseline; unnecessary when logdiff is 0)."""
+    """Recompute old logprobs on the trainer (the baseline; unnecessary when logdiff is 0). A
+    ``correction`` other than ``none`` needs it and turns it on when it is not written."""
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by the group's std (as TRL's ``scale_rewards``; false for
+    ``dr-grpo``)."""
+    entropy_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """The loss is reduced by this times the token-mean entropy of the current policy (0 = none)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After ``warmup_steps``: ``lr`` constant, or cosine-decayed towards 0 over the remaining steps."""
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    """Steps of linear warmup: step ``i`` (0-based) uses ``lr * (i + 1) / warmup_steps``."""
+    dynamic_sampling: bool = False
+    """DAPO: drop the groups whose rewards are all equal and draw more prompts until
+    ``prompts_per_step`` groups are kept (on for ``dapo``)."""
+    max_sampling_rounds: int = Field(10, ge=1, le=1000)
+    """Dynamic sampling: most Generate rounds per step; if fewer groups were kept by then, the batch
+    is topped up with dropped groups in the order drawn."""
+    overlong_buffer: int = Field(0, ge=0, le=32768)
+    """DAPO's overlong penalty: a reward of ``-overlong_penalty_factor * (length - (max_new_tokens -
+    overlong_buffer)) / overlong_buffer`` for a completion longer than ``max_new_tokens -
+    overlong_buffer`` tokens (0 = off; ``dapo``: a fifth of ``rollout.max_new_tokens``)."""
+    overlong_penalty_factor: float = Field(1.0, ge=0.0, le=100.0)
+
+
+class CorrectionSpec(_Strict):
+    """Rollout correction for an engine whose logprobs are not the trainer's bits (``rollout.kernels:
+    fast``, an external engine): the loss is weighted by the importance weight rollout -> trainer,
+    computed from the trainer's recomputed old logprobs (``onpolicy.trainer.correction``). With
+    logdiff 0 every weight is exactly 1 and the loss keeps its bits."""
+
+    mode: Literal["none", "tis", "mis"] = "none"
+    """``tis``: truncate the weight at ``threshold``; ``mis``: mask (weight 0) where it exceeds it."""
+    level: Literal["token", "sequence"] = "token"
+    """``token``: one weight per token; ``sequence``: the product of a sequence's token weights."""
+    threshold: float = Field(2.0, ge=1.0, le=1e6)
+
+
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "gspo": {"loss_agg": "seq-mean", "clip_eps_low": 3e-4, "clip_eps_high": 4e-4},
+    "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "loss_agg": "token-mean", "dynamic_sampling": True},
+    "dr-grpo": {"scale_rewards": False, "loss_agg": "seq-mean-token-sum-norm"},
+}
+"""The ``grpo`` fields each ``algorithm`` sets when the spec does not write them (``dapo`` also sets
+``overlong_buffer`` to a fifth of ``rollout.max_new_tokens``, as in DAPO's recipe: 4096 of 20480)."""
+
+
+def _section(value: Any) -> dict[str, Any]:
+    """A spec section as the fields written in it (a dict, or a model's explicitly set fields)."""
+    if isinstance(value, BaseModel):
+        return {k: getattr(value, k) for k in value.model_fields_set}
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def apply_algorithm_defaults(data: Any) -> Any:
+    """``data`` (a raw spec) with its algorithm's ``grpo`` defaults filled in where not written, and
+    ``grpo.recompute_old_logprobs`` on when a ``correction`` is set and it is not written."""
+    if not isinstance(data, dict) or not isinstance(data.get("grpo", {}), dict | BaseModel):
+        return data
+    algorithm = data.get("algorithm", "grpo")
+    if algorithm not in ALGORITHM_DEFAULTS:
+        return data  # refused by the field's own validation
+    grpo = _section(data.get("grpo", {}))
+    defaults = dict(ALGORITHM_DEFAULTS[algorithm])
+    if algorithm == "dapo":
+        rollout = _section(data.get("rollout", {}))
+        max_new = rollout.get("max_new_tokens", RolloutSpec.model_fields["max_new_tokens"].default)
+        defaults["overlong_buffer"] = max_new // 5 if isinstance(max_new, int) else 0
+    if _section(data.get("correction", {})).get("mode", "none") != "none":
+        defaults["recompute_old_logprobs"] = True
+    if all(k in grpo for k in defaults):
+        return data
+    return {**data, "grpo": {**defaults, **grpo}}
 
 
 class RolloutSpec(_Strict):
@@ -129,6 +204,14 @@ class RolloutSpec(_Strict):
     ``kernels: fast`` vLLM's own kernels (the baseline whose mismatch the verifier measures);
     ``vllm-ascend``: the same engine on Ascend NPUs (``kernels.backend: ascend``, at least one NPU for
     the rollout; unverified until the NPU suite has run)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus truncation (1 = off); with ``top_k`` and ``min_p`` sampled batch-invariantly, and the
+    logprobs the rollout reports and the trainer recomputes are those of the renormalised, truncated
+    distribution (``onpolicy.kernels.truncation``)."""
+    top_k: int = Field(0, ge=0, lt=2**31)
+    """Keep the ``top_k`` most likely tokens (0 = off)."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Keep tokens at least ``min_p`` times as likely as the most likely one (0 = off)."""
 
 
 class CheckpointSpec(_Strict):
@@ -218,6 +301,32 @@ class JobSpec(_Strict):
     resources: dict[str, ResourceSpec] = Field(default_factory=dict, validate_default=True)
     parallel: ParallelSpec = ParallelSpec()
     eval: EvalSpec = Field(EvalSpec(), validate_default=True)
+    algorithm: Literal["grpo", "gspo", "dapo", "dr-grpo"] = "grpo"
+    """The RL objective (``docs/algorithms.md``); it sets defaults of the ``grpo`` block
+    (``ALGORITHM_DEFAULTS``), and the values written there win."""
+    correction: CorrectionSpec = Field(CorrectionSpec(), validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        return apply_algorithm_defaults(data)
+
+    @field_validator("correction")
+    @classmethod
+    def _correction_recomputes(cls, v: CorrectionSpec, info: ValidationInfo) -> CorrectionSpec:
+        grpo = info.data.get("grpo")
+        if v.mode != "none" and grpo is not None and not grpo.recompute_old_logprobs:
+            raise field_error("CorrectionSpec", ("mode",), f"mode {v.mode} needs grpo.recompute_old_logprobs: true "
+                              "(the weight compares the rollout's logprobs with the trainer's)", v.mode)
+        return v
+
+    @model_validator(mode="after")
+    def _overlong_within_horizon(self) -> JobSpec:
+        if self.grpo.overlong_buffer > self.rollout.max_new_tokens:
+            raise field_error("JobSpec", ("grpo", "overlong_buffer"), f"overlong_buffer ({self.grpo.overlong_buffer}) "
+                              f"exceeds rollout.max_new_tokens ({self.rollout.max_new_tokens})",
+                              self.grpo.overlong_buffer)
+        return self
 
     @field_validator("eval")
     @classmethod

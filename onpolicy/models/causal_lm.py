@@ -18,6 +18,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from onpolicy.kernels import Backend
 from onpolicy.kernels.backend import DenseStack
+from onpolicy.kernels.truncation import RowTruncation
 from onpolicy.parallel.layout import ModelParallel, check_degrees
 
 from .config import ModelConfig, RopeScaling
@@ -168,12 +169,24 @@ class CausalLM(nn.Module):
             self._head_cache = (key, w.detach().float())
         return self._head_cache[1]
 
-    def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None) -> Tensor:
-        """fp32 log-softmax over the vocabulary of the rows of ``hidden`` at per-row ``temperature``."""
-        return (ops or self.ops).logprobs(hidden, self.lm_head_fp32(), temperature)
+    def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None,
+                 truncation: RowTruncation | None = None) -> Tensor:
+        """fp32 log-softmax over the vocabulary of the rows of ``hidden`` at per-row ``temperature``,
+        then the per-row top-k / top-p / min-p ``truncation`` (``Backend.truncate_logprobs``) when given."""
+        ops = ops or self.ops
+        lp = ops.logprobs(hidden, self.lm_head_fp32(), temperature)
+        return lp if truncation is None else ops.truncate_logprobs(lp, truncation)
 
     def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor,
-                       ops: Backend | None = None) -> Tensor:
+                       ops: Backend | None = None, truncation: RowTruncation | None = None) -> Tensor:
         """fp32 ``[N]``: :meth:`logprobs` at each row's ``targets``, the same bits (the trainer's
         path: under autograd its backward skips the ``[N, V]`` intermediates)."""
-        return (ops or self.ops).token_logprobs(hidden, self.lm_head_fp32(), temperature, targets)
+        return (ops or self.ops).token_logprobs(hidden, self.lm_head_fp32(), temperature, targets, truncation)
+
+    def token_logprobs_entropy(self, hidden: Tensor, temperature: Tensor, targets: Tensor,
+                               ops: Backend | None = None, truncation: RowTruncation | None = None,
+                               ) -> tuple[Tensor, Tensor]:
+        """:meth:`token_logprobs` (the same bits) and each row's entropy of the distribution it reads,
+        both differentiable (the trainer's path when it measures or regularises the entropy)."""
+        return (ops or self.ops).token_logprobs_entropy(hidden, self.lm_head_fp32(), temperature, targets,
+                                                        truncation)

@@ -155,7 +155,7 @@ class RolloutEngine:
         return Completion(prompt_index=seq.prompt_index, sample_index=seq.sample_index, prompt_ids=seq.prompt_ids,
                           token_ids=tuple(seq.generated), logprobs=tuple(seq.logprobs),
                           finish_reason=seq.finish_reason or "length", weight_version=self.weight_version,
-                          temperature=seq.params.logprob_temperature)
+                          temperature=seq.params.logprob_temperature, **seq.params.truncation.to_dict())
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams,
                  progress: Callable[[EngineSnapshot, int, int], None] | None = None) -> list[Completion]:

@@ -1,5 +1,6 @@
 """``ModelRunner``: turns a ``SchedulerOutput`` into tensors, runs the model over the paged cache,
-and samples the next token of every request whose chunk reached its end. The only owner of tensors
+and samples the next token of every request whose chunk reached its end (from its logprobs after
+its top-k / top-p / min-p truncation, which are the logprobs it reports). The only owner of tensors
 in the rollout engine."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from onpolicy.kernels import AttentionBatch
 from onpolicy.kernels.sampling import sample
+from onpolicy.kernels.truncation import RowTruncation
 from onpolicy.models.causal_lm import CausalLM
 
 from .kv_cache import KVCache, PagedContext
@@ -57,7 +59,8 @@ class ModelRunner:
         rows = torch.tensor([ends[i] for i, s in enumerate(out.scheduled) if s.samples], dtype=torch.int64,
                             device=device)
         temps = torch.tensor([s.seq.params.logprob_temperature for s in sampled], dtype=torch.float32, device=device)
-        lp = self.model.logprobs(hidden[rows], temps)
+        trunc = RowTruncation.of([s.seq.params.truncation for s in sampled], device)
+        lp = self.model.logprobs(hidden[rows], temps, truncation=trunc)
         keys = torch.tensor([s.seq.key for s in sampled], dtype=torch.int64, device=device)
         steps = torch.tensor([len(s.seq.generated) for s in sampled], dtype=torch.int64, device=device)
         greedy = torch.tensor([s.seq.params.greedy for s in sampled], device=device)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from onpolicy.kernels.sampling import request_key
+from onpolicy.kernels.truncation import NONE, Truncation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,8 +21,15 @@ class SamplingParams:
     n: int = 1
     """Samples per prompt; sample i uses sample index i."""
     seed: int = 0
+    top_p: float = 1.0
+    """Nucleus truncation in (0, 1]; 1 = off (``onpolicy.kernels.truncation``)."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens; 0 = off."""
+    min_p: float = 0.0
+    """Keep tokens at least ``min_p`` times as likely as the most likely one, in [0, 1]; 0 = off."""
 
     def __post_init__(self) -> None:
+        Truncation(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)  # validates
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -38,6 +46,12 @@ class SamplingParams:
     @property
     def logprob_temperature(self) -> float:
         return 1.0 if self.greedy else float(self.temperature)
+
+    @property
+    def truncation(self) -> Truncation:
+        """The truncation the tokens are sampled and their logprobs reported with (none when greedy:
+        the argmax is always kept, and greedy logprobs are the full distribution's at temperature 1)."""
+        return NONE if self.greedy else Truncation(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 class Status(enum.Enum):
@@ -90,3 +104,11 @@ class Completion:
     weight_version: int
     temperature: float
     """The temperature the logprobs were computed at."""
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    """The truncation the logprobs were computed at (fp32 values; off: 0, 1, 0)."""
+
+    @property
+    def truncation(self) -> Truncation:
+        return Truncation(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)

@@ -2,7 +2,9 @@
 PPO-clip steps with AdamW, atomic verified checkpoints and versioned weight export.
 
 ``forward`` — ``ScoredSequence``, ``sequence_logprobs``; ``grpo`` — ``group_advantages``,
-``policy_loss``; ``config`` — ``TrainSample``, ``LossConfig``, ``OptimizerConfig``, ``StepStats``;
+``policy_loss`` (GRPO, GSPO, DAPO, Dr. GRPO: ``docs/algorithms.md``); ``correction`` — the rollout
+correction (TIS / MIS) and its statistics; ``config`` — ``TrainSample``, ``LossConfig``,
+``OptimizerConfig``, ``StepStats``;
 ``engine`` — ``TrainerEngine``; ``checkpoint`` — ``save_checkpoint``, ``load_checkpoint``;
 ``reduction`` — the canonical gradient tree; ``ranks`` — rank 0 and peer ranks (Ray actors) of a
 multi-rank trainer; ``data_parallel`` — ``DataParallelEngine`` (bitwise one worker's weights);

@@ -165,6 +165,32 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[Path
     return doomed
 
 
+#: Free space kept beyond a checkpoint's size, so that a save never fills a disk to its last byte.
+FREE_SPACE_MARGIN = 64 << 20
+
+
+def checkpoint_bytes(root: str | os.PathLike[str], model_bytes: int) -> int:
+    """What the next checkpoint under ``root`` will take: the newest one's size, or, before the first,
+    4x the model's bytes (weights plus AdamW's two moments, and room for the RNG state)."""
+    root = Path(root)
+    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()),
+                   key=lambda p: p.name) if root.is_dir() else []
+    if steps:
+        return sum(f.stat().st_size for f in steps[-1].iterdir() if f.is_file())
+    return 4 * model_bytes
+
+
+def check_free_space(root: str | os.PathLike[str], model_bytes: int) -> None:
+    """``CheckpointError`` when the disk under ``root`` cannot take the next checkpoint (checked
+    before writing, so a full disk fails the save cleanly instead of tearing it)."""
+    root = Path(root)
+    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
+    need, free = checkpoint_bytes(root, model_bytes) + FREE_SPACE_MARGIN, shutil.disk_usage(probe).free
+    if free < need:
+        raise CheckpointError(f"not enough free space under {root} for a checkpoint: about {need >> 20} MiB "
+                              f"needed, {free >> 20} MiB free")
+
+
 def _read_verified(path: Path, want: str) -> bytes:
     try:
         data = path.read_bytes()

@@ -4,10 +4,11 @@ of a step, and the statistics a step returns. Every config validates itself on c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .correction import CORRECTION_LEVELS, CORRECTION_MODES, CorrectionStats
 from .forward import ScoredSequence
-from .grpo import KL_ESTIMATORS, LOSS_AGGS
+from .grpo import KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS
 
 
 def _finite(name: str, value: float) -> None:
@@ -38,6 +39,10 @@ class TrainSample:
     old_logprobs: tuple[float, ...]
     advantage: float
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    """The truncation the rollout sampled with (off: 0, 1, 0): the trainer scores the same distribution."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.token_ids:
@@ -52,7 +57,8 @@ class TrainSample:
 
     @property
     def scored(self) -> ScoredSequence:
-        return ScoredSequence(tuple(self.prompt_ids), tuple(self.token_ids), float(self.temperature))
+        return ScoredSequence(tuple(self.prompt_ids), tuple(self.token_ids), float(self.temperature),
+                              top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,15 +72,43 @@ class LossConfig:
     kl_estimator: str = "k3"
     """``k1`` (lp - ref) or ``k3`` (exp(ref - lp) - (ref - lp) - 1)."""
     loss_agg: str = "token-mean"
-    """``token-mean`` (every token weighs the same) or ``seq-mean`` (every sequence does)."""
+    """``token-mean`` (every token weighs the same), ``seq-mean`` (every sequence does) or
+    ``seq-mean-token-sum-norm`` (token sums divided by ``horizon``: no length normalisation)."""
     epochs: int = 1
     """Passes over the samples in one step."""
     minibatches: int = 1
     """Optimizer updates per epoch; the samples are split in order into this many contiguous parts."""
+    ratio_level: str = "token"
+    """``token``: a ratio per token (GRPO, DAPO, Dr. GRPO); ``sequence``: the geometric mean of a
+    sequence's token ratios, clipped per sequence (GSPO)."""
+    horizon: int = 0
+    """The constant divisor per sequence of ``seq-mean-token-sum-norm`` (the rollout's max_new_tokens)."""
+    entropy_coef: float = 0.0
+    """The loss is reduced by this times the token-mean entropy of the current policy; 0 = none."""
+    correction_mode: str = "none"
+    """Rollout correction (``onpolicy.trainer.correction``): ``none``, ``tis`` or ``mis``; any but
+    ``none`` makes the step recompute the old logprobs on the trainer."""
+    correction_level: str = "token"
+    """``token`` or ``sequence``: the importance weight per token or per sequence."""
+    correction_threshold: float = 2.0
+    """TIS truncates the weight here; MIS masks weights above it; >= 1."""
 
     def __post_init__(self) -> None:
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef", "correction_threshold"):
             _finite(name, getattr(self, name))
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {list(RATIO_LEVELS)}, got {self.ratio_level!r}")
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.horizon < 1:
+            raise ValueError(f"loss_agg seq-mean-token-sum-norm needs horizon >= 1, got {self.horizon}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.correction_mode not in CORRECTION_MODES:
+            raise ValueError(f"correction_mode must be one of {list(CORRECTION_MODES)}, got {self.correction_mode!r}")
+        if self.correction_level not in CORRECTION_LEVELS:
+            raise ValueError(f"correction_level must be one of {list(CORRECTION_LEVELS)}, "
+                             f"got {self.correction_level!r}")
+        if self.correction_threshold < 1:
+            raise ValueError(f"correction_threshold must be >= 1, got {self.correction_threshold}")
         if not 0 <= self.clip_eps_low < 1:
             raise ValueError(f"clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high < 0:
@@ -137,3 +171,7 @@ class StepStats:
     ``recompute_old``; the first minibatch otherwise). 0 means bitwise on-policy."""
     recompute_seconds: float
     updates: int
+    entropy: float = 0.0
+    """Token-mean entropy of the policy on the sampled positions over every forward of the step."""
+    correction: CorrectionStats = field(default_factory=CorrectionStats)
+    """The rollout-correction weights of the step (empty unless ``correction_mode`` is not ``none``)."""

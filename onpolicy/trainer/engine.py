@@ -22,7 +22,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,8 +35,9 @@ from onpolicy.weights import WeightsRef, export_weights
 
 from .checkpoint import CheckpointError, CheckpointState, save_checkpoint
 from .config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
+from .correction import CorrectionStats, correction_weights
 from .forward import ScoredSequence, pack, pack_logprobs, sequence_logprobs
-from .grpo import LossStats, policy_loss
+from .grpo import LossStats, loss_normalizer, policy_loss
 from .reduction import GradientExchange, Grads, Solo, fold_levels, fold_tree, unit_range
 from .shards import (
     NamedState,
@@ -98,6 +99,8 @@ class _StepInputs:
     ref: dict[int, Tensor]
     lengths: dict[int, int]
     loss: LossConfig
+    weight: dict[int, Tensor] = field(default_factory=dict)
+    """The rollout-correction weight of each token (empty: no correction)."""
 
 
 class TrainerEngine:
@@ -207,17 +210,22 @@ class TrainerEngine:
         for p, g in zip(self.params, grads or [None] * len(self.params), strict=True):
             p.grad = None if g is None else g.to(p.dtype)
 
-    def _unit_grads(self, units: list[list[int]], inputs: _StepInputs, norm: float, track_diff: bool,
+    def _unit_grads(self, units: list[list[int]], inputs: _StepInputs, norm: tuple[float, float], track_diff: bool,
                     stats: list[_UnitStats], u: int) -> Grads:
-        """Forward and backward of unit ``u`` alone; its statistics are appended to ``stats``."""
+        """Forward and backward of unit ``u`` alone; its statistics are appended to ``stats``. ``norm``:
+        the minibatch's loss divisor and its token count (the entropy term's divisor)."""
         ids, loss = units[u], inputs.loss
-        new = torch.cat(pack_logprobs(self.model, [inputs.seqs[i] for i in ids]))
+        entropy: list[Tensor] = []
+        new = torch.cat(pack_logprobs(self.model, [inputs.seqs[i] for i in ids], entropy=entropy))
         old = torch.cat([inputs.old[i] for i in ids])
         value, st = policy_loss(
             new, old, inputs.adv[ids], [inputs.lengths[i] for i in ids],
             clip_eps_low=loss.clip_eps_low, clip_eps_high=loss.clip_eps_high, loss_agg=loss.loss_agg,
             kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator,
-            ref_lp=torch.cat([inputs.ref[i] for i in ids]) if inputs.ref else None, normalizer=norm)
+            ref_lp=torch.cat([inputs.ref[i] for i in ids]) if inputs.ref else None, normalizer=norm[0],
+            ratio_level=loss.ratio_level, horizon=loss.horizon,
+            weight=torch.cat([inputs.weight[i] for i in ids]) if inputs.weight else None,
+            entropy=torch.cat(entropy), entropy_coef=loss.entropy_coef, entropy_normalizer=norm[1])
         value.backward()
         stats.append((float(value.detach()), st, float((new.detach() - old).abs().max()) if track_diff else 0.0))
         return self._take_grads()
@@ -253,28 +261,33 @@ class TrainerEngine:
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=self.model.device)
         max_diff: float | None = None
         recompute_seconds = 0.0
-        if recompute_old:  # the baseline that bitwise-consistent rollout logprobs make unnecessary
+        weight: dict[int, Tensor] = {}
+        correction = CorrectionStats()
+        if recompute_old or loss.correction_mode != "none":  # unnecessary when rollout logprobs are bitwise
             fresh = dict(zip(own, TrainerEngine.compute_logprobs(self, [seqs[i] for i in own]), strict=True))
             local = max((float((old[i] - fresh[i]).abs().max()) for i in own), default=0.0)
             max_diff = max(ex.all_gather_object(local))
+            if loss.correction_mode != "none":
+                weight, correction = self._correction(own, fresh, old, loss)
             old, recompute_seconds = fresh, time.perf_counter() - t0
         ref: dict[int, Tensor] = {}
         if loss.kl_coef > 0:
             reference = self._reference_model()
             with torch.no_grad():
-                ref = dict(zip(own, sequence_logprobs(reference, [seqs[i] for i in own], pack_tokens=pack_tokens),
-                               strict=True))
-        inputs = _StepInputs(seqs, old, adv, ref, {i: len(s.token_ids) for i, s in enumerate(samples)}, loss)
+                ref = dict(zip(own, sequence_logprobs(reference, [seqs[i].untruncated for i in own],
+                                                      pack_tokens=pack_tokens), strict=True))
+        inputs = _StepInputs(seqs, old, adv, ref, {i: len(s.token_ids) for i, s in enumerate(samples)}, loss,
+                             weight=weight)
         optimizer = self._configure_optimizer(opt)
         losses, norms = [], []
-        weighted = {"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0}
+        weighted = {"clip_fraction": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
         counted = 0
         first_diff = 0.0
         with _deterministic(self.config.deterministic):
             for epoch in range(loss.epochs):
                 for mb, ((idx, units), mine) in enumerate(zip(plan, owned, strict=True)):
-                    token_mean = loss.loss_agg == "token-mean"  # global counts: every rank divides alike
-                    norm = float(sum(inputs.lengths[i] for i in idx) if token_mean else len(idx))
+                    lengths = [inputs.lengths[i] for i in idx]  # global counts: every rank divides alike
+                    norm = (loss_normalizer(loss.loss_agg, lengths, loss.horizon), float(sum(lengths)))
                     track_diff = epoch == 0 and mb == 0 and max_diff is None
                     optimizer.zero_grad(set_to_none=True)
                     stats: list[_UnitStats] = []
@@ -309,7 +322,18 @@ class TrainerEngine:
             approx_kl=weighted["approx_kl"] / counted, tokens=tokens, seconds=seconds,
             tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
             old_logprob_max_abs_diff=first_diff if max_diff is None else max_diff,
-            recompute_seconds=recompute_seconds, updates=len(losses))
+            recompute_seconds=recompute_seconds, updates=len(losses), entropy=weighted["entropy"] / counted,
+            correction=correction)
+
+    def _correction(self, own: list[int], trainer: dict[int, Tensor], rollout: dict[int, Tensor],
+                    loss: LossConfig) -> tuple[dict[int, Tensor], CorrectionStats]:
+        """The rollout-correction weights of this rank's samples, and the statistics of every rank's."""
+        weights, local = correction_weights([trainer[i] for i in own], [rollout[i] for i in own],
+                                            loss.correction_mode, loss.correction_level, loss.correction_threshold)
+        total = CorrectionStats()
+        for part in self.exchange.all_gather_object(local):
+            total = total + part
+        return dict(zip(own, weights, strict=True)), total
 
     # ------------------------------------------------------------------ weights out
     def local_state(self) -> LocalState:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from onpolicy.kernels import AttentionBatch, Backend, KernelConfig, KVSource, MoERouting, PagedKV
 from onpolicy.kernels.backend import at_targets
+from onpolicy.kernels.truncation import RowTruncation
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _EXPERT = re.compile(r"\.experts\.(\d+)(?:\.|$)")
@@ -208,9 +209,17 @@ class CapturingBackend(Backend):
         self._rec("logprobs", {"hidden": hidden, "lm_head": lm_head, "temperature": temperature}, y)
         return y
 
-    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor) -> Tensor:
+    def truncate_logprobs(self, logprobs: Tensor, truncation: RowTruncation | None) -> Tensor:
+        y = self.inner.truncate_logprobs(logprobs, truncation)
+        if truncation is not None:
+            self._rec("truncate", {"logprobs": logprobs, "top_k": truncation.top_k, "top_p": truncation.top_p,
+                                   "min_p": truncation.min_p}, y)
+        return y
+
+    def token_logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor, targets: Tensor,
+                       truncation: RowTruncation | None = None) -> Tensor:
         # the recorded log-softmax must stay what it was: TokenLogprobs' backward would overwrite it
-        return at_targets(self.logprobs(hidden, lm_head, temperature), targets)
+        return at_targets(self.truncate_logprobs(self.logprobs(hidden, lm_head, temperature), truncation), targets)
 
 
 @contextmanager

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from onpolicy.kernels import KernelConfig, get_backend, resolve_kernels
+from onpolicy.kernels.truncation import NONE, Truncation
 
 from .doctor_classify import classify
 from .doctor_paths import Loader, PathOptions, PathRun, PathSetup, load_path_model, run_rollout, run_trainer
 from .logdiff import LogdiffStats
 
 CLASSES = ("none", "operator", "framework")
-CAUSES = ("kernel", "weights", "dtype", "positions", "attention_mask", "temperature", "tokenization",
+CAUSES = ("kernel", "weights", "dtype", "positions", "attention_mask", "temperature", "truncation", "tokenization",
           "kernel_config", "parallel_layout", "rng", "unknown")
 
 ADVICE = {
@@ -39,6 +40,9 @@ ADVICE = {
     "attention_mask": "the tokens attend to different positions: align masks (causal, padding, packing)",
     "temperature": "the trainer scores at a different temperature than the rollout sampled at: pass the "
                    "sampling temperature with every sample",
+    "truncation": "the trainer scores a different top-k / top-p / min-p truncation than the rollout sampled "
+                  "with (a truncated rollout scored untruncated is off-policy by construction): pass the "
+                  "sample's top_k, top_p and min_p with every sample",
     "tokenization": "the token ids differ: train on the rollout's token ids, never re-tokenize decoded text",
     "kernel_config": "the same operators run with different constants (e.g. KV tile): deploy one KernelConfig "
                      "(the fingerprint) on both sides",
@@ -157,7 +161,7 @@ def trainer_base(rollout_base: KernelConfig, trainer_kernel_config: Mapping[str,
 
 
 def _setup(role: str, base: KernelConfig, opts: PathOptions, temperature: float, weights: str | None,
-           tokenizer: str) -> PathSetup:
+           tokenizer: str, truncation: Truncation = NONE) -> PathSetup:
     backend = resolve_kernels(opts.kernels) if opts.kernels else base.backend
     config = base.with_(backend=backend, compute_dtype=opts.dtype or base.compute_dtype,
                         kv_tile=opts.kv_tile or base.kv_tile)
@@ -165,7 +169,8 @@ def _setup(role: str, base: KernelConfig, opts: PathOptions, temperature: float,
     if role == "trainer" and not t > 0:
         raise ValueError("the trainer's temperature must be > 0")
     return PathSetup(role, config, float(t), opts.weights or weights, opts.position_offset,
-                     opts.tokenizer or tokenizer, opts.max_batched_tokens or 2048, opts.mask_offset)
+                     opts.tokenizer or tokenizer, opts.max_batched_tokens or 2048, opts.mask_offset,
+                     opts.truncation(truncation))
 
 
 def _default_loader() -> Loader:
@@ -205,6 +210,7 @@ def _facts(r: PathRun, t: PathRun) -> dict[str, dict[str, object]]:
         "dtype": fact(rc.compute_dtype, tc.compute_dtype),
         "kernel_config": fact(rc.fingerprint, tc.fingerprint, rollout_backend=rc.backend, trainer_backend=tc.backend),
         "temperature": fact(r.logprob_temperature, t.logprob_temperature),
+        "truncation": fact(r.logprob_truncation.to_dict(), t.logprob_truncation.to_dict()),
         "tokenization": fact(r.prompt_ids, t.prompt_ids),
         "positions": fact(r.setup.position_offset, t.setup.position_offset),
         "attention_mask": fact(r.setup.mask_offset, t.setup.mask_offset),
@@ -214,6 +220,7 @@ def _facts(r: PathRun, t: PathRun) -> dict[str, dict[str, object]]:
 def diagnose(model: str, *, prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
              token_ids: Sequence[int] | None = None, rollout: PathOptions | str | None = None,
              trainer: PathOptions | str | None = None, temperature: float | None = None,
+             truncation: Truncation = NONE,
              kernel_fingerprint: str | None = None, trainer_kernel_config: Mapping[str, object] | None = None,
              weights_path: str | None = None,
              max_new_tokens: int = 16, seed: int = 0, recorded_logprobs: Sequence[float] | None = None,
@@ -222,7 +229,8 @@ def diagnose(model: str, *, prompt_ids: Sequence[int] | None = None, prompt: str
 
     ``prompt_ids`` (or ``prompt`` text, chat-templated) and the continuation ``token_ids`` (sampled
     by the rollout path with ``seed`` when None). ``temperature`` is both paths' default (the
-    sample's; 0 = greedy sampling, scored at 1). ``rollout``/``trainer`` override each path
+    sample's; 0 = greedy sampling, scored at 1), ``truncation`` both paths' top-k / top-p / min-p
+    (the sample's; none when greedy). ``rollout``/``trainer`` override each path
     (``PathOptions`` or its ``key=value,...`` text). ``kernel_fingerprint`` (the sample's) is the
     rollout's default kernel config; the trainer's is ``trainer_kernel_config`` (the verifier's),
     else the same constants with the consistent backend. ``weights_path`` is loaded over both
@@ -246,8 +254,9 @@ def diagnose(model: str, *, prompt_ids: Sequence[int] | None = None, prompt: str
     tbase = trainer_base(base, trainer_kernel_config)
     mode = "ids" if prompt_ids is not None else "chat"
     temp = temperature if temperature is not None else 1.0
-    rs = _setup("rollout", base, ropts, temp, weights_path, mode)
-    ts = _setup("trainer", tbase, topts, temp if temp > 0 else 1.0, weights_path, mode)  # greedy: scored at 1
+    rs = _setup("rollout", base, ropts, temp, weights_path, mode, truncation)
+    ts = _setup("trainer", tbase, topts, temp if temp > 0 else 1.0, weights_path, mode,  # greedy: scored at 1,
+                truncation if temp > 0 else NONE)  # untruncated
     load = loader or _default_loader()
     rlm, rsha, rmeta = load_path_model(load, model, rs)
     tlm, tsha, tmeta = load_path_model(load, model, ts)
@@ -321,7 +330,8 @@ def diagnose(model: str, *, prompt_ids: Sequence[int] | None = None, prompt: str
 
 
 SAMPLE_KEYS = ("model", "kernel_fingerprint", "weight_version", "weights_path", "prompt_ids", "token_ids",
-               "logprobs", "trainer_logprobs", "temperature", "source", "job_id", "step", "max_abs_logdiff",
+               "logprobs", "trainer_logprobs", "temperature", "top_k", "top_p", "min_p", "source", "job_id", "step",
+               "max_abs_logdiff",
                "first_mismatch_index")
 
 
@@ -340,6 +350,15 @@ def _floats(obj: Mapping[str, object], key: str, n: int, source: str) -> list[fl
                                                          for x in v):
         raise ValueError(f"{source}: {key} must be a list of numbers, one per token id")
     return [float(x) for x in v]
+
+
+def _truncation(sample: Mapping[str, object], source: str) -> Truncation:
+    """A sample's ``top_k`` / ``top_p`` / ``min_p`` (absent: off)."""
+    values = {k: sample[k] for k in ("top_k", "top_p", "min_p") if sample.get(k) is not None}
+    try:
+        return Truncation(**values)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def diagnose_sample(sample: Mapping[str, object], *, model: str | None = None, index: int = 0,
@@ -367,13 +386,14 @@ def diagnose_sample(sample: Mapping[str, object], *, model: str | None = None, i
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise ValueError(f"{source}: temperature must be a number")
     recorded = {key: _floats(sample, key, len(token_ids), source) for key in ("logprobs", "trainer_logprobs")}
+    truncation = _truncation(sample, source)
     fingerprint = sample.get("kernel_fingerprint", top.get("kernel_fingerprint"))
     tconfig = sample.get("trainer_kernel_config")
     if tconfig is not None and not isinstance(tconfig, Mapping):
         raise ValueError(f"{source}: trainer_kernel_config must be an object")
     weights_path = sample.get("weights_path")
     return diagnose(model, prompt_ids=prompt_ids, token_ids=token_ids, rollout=rollout, trainer=trainer,
-                    temperature=float(temperature),
+                    temperature=float(temperature), truncation=truncation,
                     kernel_fingerprint=fingerprint if isinstance(fingerprint, str) else None,
                     trainer_kernel_config=tconfig or None,
                     weights_path=weights_path if isinstance(weights_path, str) and weights_path else None,

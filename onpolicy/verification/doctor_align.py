@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from onpolicy.kernels import AttentionBatch, Backend, ContiguousKV, MoERouting, PagedKV
+from onpolicy.kernels.truncation import RowTruncation
 
 from .capture import CaptureLog, OpCall
 
@@ -29,7 +30,7 @@ _MAX_TILE = 4096
 ROW_INPUTS: dict[str, tuple[str, ...]] = {
     "embedding": ("ids",), "linear": ("x",), "rmsnorm": ("x",), "rope": ("x", "cos", "sin"), "attention": ("q",),
     "swiglu": ("gate", "up"), "moe_route": ("router_logits",), "moe_combine": ("expert_out", "routing"),
-    "logprobs": ("hidden", "temperature"),
+    "logprobs": ("hidden", "temperature"), "truncate": ("logprobs", "top_k", "top_p", "min_p"),
 }
 #: Whole-tensor inputs (weights), per operator.
 PARAM_INPUTS: dict[str, tuple[str, ...]] = {
@@ -269,6 +270,9 @@ def run_op(backend: Backend | None, op: str, inputs: dict[str, object]) -> objec
             return backend.moe_combine(i["expert_out"], i["routing"])  # type: ignore[arg-type]
         if op == "logprobs":
             return backend.logprobs(i["hidden"], i["lm_head"], i["temperature"])  # type: ignore[arg-type]
+        if op == "truncate":
+            rows = RowTruncation(i["top_k"], i["top_p"], i["min_p"])  # type: ignore[arg-type]
+            return backend.truncate_logprobs(i["logprobs"], rows)  # type: ignore[arg-type]
     raise ValueError(f"unknown operator {op!r}")
 
 

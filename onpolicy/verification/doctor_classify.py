@@ -13,7 +13,8 @@ Identical inputs + different outputs => an **operator** fault, unless the two pa
 backend with different constants and (c) reproduces the trainer (then ``framework/kernel_config``).
 Different inputs at the first divergence => a **framework** fault whose cause is read from which
 input differs: dtype, token ids (tokenization), a weight (weights), RoPE cos/sin (positions), the
-attended position (attention_mask), the LM-head temperature (temperature).
+attended position (attention_mask), the LM-head temperature (temperature), the top-k / top-p /
+min-p parameters of the logprob truncation (truncation).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def _cause(op: str, inputs: dict[str, str]) -> str:
         return "attention_mask"
     if "temperature" in inputs:
         return "temperature"
+    if any(n in inputs for n in ("top_k", "top_p", "min_p")):
+        return "truncation"
     return "unknown"
 
 

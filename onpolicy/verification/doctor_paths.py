@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig, KVSource, get_backend
+from onpolicy.kernels.truncation import NONE, RowTruncation, Truncation
 from onpolicy.models.causal_lm import CausalLM
 from onpolicy.models.checkpoint import CheckpointError, LoadedModel, copy_weights_, weights_sha256
 from onpolicy.models.config import ModelConfig
@@ -53,6 +54,10 @@ class PathOptions:
     """Compute dtype: ``fp32`` | ``bf16``."""
     temperature: float | None = None
     """Logprob temperature (rollout: also the sampling temperature; 0 = greedy, logprobs at 1)."""
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    """Truncation (rollout: sampling and reported logprobs; trainer: the distribution scored)."""
     kv_tile: int | None = None
     weights: str | None = None
     """A safetensors weights file (e.g. from ``onpolicy.weights.export_weights``) loaded over the model."""
@@ -82,9 +87,9 @@ class PathOptions:
             if key not in names:
                 raise ValueError(f"unknown key {key!r}; expected one of {sorted(names)}")
             try:
-                if key == "temperature":
+                if key in ("temperature", "top_p", "min_p"):
                     values[key] = float(value)
-                elif key in ("kv_tile", "position_offset", "mask_offset", "max_batched_tokens"):
+                elif key in ("kv_tile", "position_offset", "mask_offset", "max_batched_tokens", "top_k"):
                     values[key] = int(value)
                 else:
                     values[key] = value
@@ -104,6 +109,14 @@ class PathOptions:
             raise ValueError("position_offset and mask_offset must be >= 0")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
+        Truncation(top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
+                   min_p=self.min_p or 0.0)  # validates
+
+    def truncation(self, default: Truncation) -> Truncation:
+        """``default`` with this path's overrides."""
+        return Truncation(top_k=default.top_k if self.top_k is None else self.top_k,
+                          top_p=default.top_p if self.top_p is None else self.top_p,
+                          min_p=default.min_p if self.min_p is None else self.min_p)
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,7 @@ class PathSetup:
     tokenizer: str = "ids"
     max_batched_tokens: int = 2048
     mask_offset: int = 0
+    truncation: Truncation = NONE
 
 
 @dataclass
@@ -135,6 +149,11 @@ class PathRun:
     @property
     def logprob_temperature(self) -> float:
         return self.setup.temperature if self.setup.temperature > 0 else 1.0
+
+    @property
+    def logprob_truncation(self) -> Truncation:
+        """The truncation of the logprobs this path computed (none for greedy sampling)."""
+        return self.setup.truncation if self.setup.temperature > 0 else NONE
 
 
 class _MaskedContext:
@@ -178,14 +197,16 @@ class _Tap:
             ctx = _MaskedContext(ctx, self.mask_offset)
         return self.model.hidden(input_ids, positions + self.offset, ctx, self.ops)
 
-    def logprobs(self, hidden: Tensor, temperature: Tensor, ops: object = None) -> Tensor:
+    def logprobs(self, hidden: Tensor, temperature: Tensor, ops: object = None,
+                 truncation: RowTruncation | None = None) -> Tensor:
         with self.ops.log.scope("lm_head", self.lm_rows(self.forward_rows, int(hidden.shape[0]))):
-            self.last_lp = self.model.logprobs(hidden, temperature, self.ops)
+            self.last_lp = self.model.logprobs(hidden, temperature, self.ops, truncation)
         return self.last_lp
 
-    def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor, ops: object = None) -> Tensor:
+    def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor, ops: object = None,
+                       truncation: RowTruncation | None = None) -> Tensor:
         with self.ops.log.scope("lm_head", self.lm_rows(self.forward_rows, int(hidden.shape[0]))):
-            return self.model.token_logprobs(hidden, temperature, targets, self.ops)
+            return self.model.token_logprobs(hidden, temperature, targets, self.ops, truncation)
 
 
 class _ForcedRunner(ModelRunner):
@@ -238,7 +259,7 @@ def run_rollout(lm: LoadedModel, setup: PathSetup, prompt_ids: list[int], forced
     tap = _Tap(lm.model, ops, setup, lambda n, k: torch.arange(n - k, n), "rollout")
     n = len(forced) if forced is not None else max_new_tokens
     params = SamplingParams(temperature=setup.temperature, max_new_tokens=n, ignore_eos=forced is not None,
-                            seed=seed)
+                            seed=seed, **setup.truncation.to_dict())
     page = setup.config.kv_tile
     tokens = (-(-(len(prompt_ids) + n) // page) + 1) * page
     engine = RolloutEngine(LoadedModel(lm.name, tap, lm.tokenizer, lm.weights_sha256),  # type: ignore[arg-type]
@@ -257,7 +278,8 @@ def run_trainer(lm: LoadedModel, setup: PathSetup, prompt_ids: list[int], token_
     ops = CapturingBackend(get_backend(setup.config), log)
     first = len(prompt_ids) - 1
     tap = _Tap(lm.model, ops, setup, lambda n, k: torch.arange(first, first + k), "trainer")
-    seq = ScoredSequence(tuple(prompt_ids), tuple(token_ids), setup.temperature if setup.temperature > 0 else 1.0)
+    seq = ScoredSequence(tuple(prompt_ids), tuple(token_ids), setup.temperature if setup.temperature > 0 else 1.0,
+                         **setup.truncation.to_dict())
     with torch.no_grad(), capture_modules(lm.model, log):
         (lp,) = sequence_logprobs(tap, [seq])  # type: ignore[arg-type]
     return log, [float(x) for x in lp.tolist()]

@@ -18,6 +18,8 @@ class LogdiffStats:
     sequences_checked: int = 0
     kl_k3_sum: float = 0.0
     """Sum over tokens of the k3 estimator of KL(rollout || trainer): exp(r) - 1 - r, r = lp_t - lp_r."""
+    abs_logdiff_sum: float = 0.0
+    """Sum over tokens of |logdiff| (in fp64)."""
 
     def add(self, rollout: Tensor, trainer: Tensor) -> Tensor:
         """Account one sequence; returns its per-token |logdiff| (fp32)."""
@@ -31,6 +33,7 @@ class LogdiffStats:
             self.max_abs_logdiff = max(self.max_abs_logdiff, float(diff.max()))
         r = (trainer - rollout).double()
         self.kl_k3_sum += float((torch.exp(r) - 1 - r).sum())
+        self.abs_logdiff_sum += float(diff.double().sum())
         self.sequences_checked += 1
         return diff
 
@@ -40,6 +43,11 @@ class LogdiffStats:
         self.max_abs_logdiff = max(self.max_abs_logdiff, other.max_abs_logdiff)
         self.sequences_checked += other.sequences_checked
         self.kl_k3_sum += other.kl_k3_sum
+        self.abs_logdiff_sum += other.abs_logdiff_sum
+
+    @property
+    def mean_abs_logdiff(self) -> float:
+        return self.abs_logdiff_sum / self.tokens_checked if self.tokens_checked else 0.0
 
     @property
     def kl_k3(self) -> float:

@@ -29,6 +29,8 @@ key                                   value
 ``logprobs``                          list of float, the submitted (rollout) logprob of each token
 ``trainer_logprobs``                  list of float, the training-path logprob of each token
 ``temperature``                       temperature the logprobs were computed at (float > 0)
+``top_k`` / ``top_p`` / ``min_p``     truncation the logprobs were computed at (optional; off:
+                                      0 / 1 / 0; ``onpolicy.kernels.truncation``)
 ``source``                            engine that produced ``logprobs``: ``onpolicy``, ``vllm`` …
 ``job_id`` / ``step``                 job and step the sample was submitted with
 ``max_abs_logdiff``                   max over tokens of ``|logprobs[i] - trainer_logprobs[i]|``
@@ -96,6 +98,9 @@ class MismatchRecord:
     trainer_kernel_config: dict[str, Any] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=dict)
     created_at: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": KIND, "schema_version": SCHEMA_VERSION, **asdict(self)}

@@ -7,10 +7,12 @@ weight change, not the kernels — except that a sample from a foreign engine (`
 ``onpolicy``, e.g. ``vllm``) with ``weight_version`` 0/unset is taken to be at the current version:
 an external engine serving the weights the trainer published need not know our version numbers.
 
-One ``verify`` call is one recompute: all its samples go through ``sequence_logprobs`` together,
-packed into forwards of up to ``pack_tokens`` tokens (the asynchronous worker drains several queued
-batches into one call). Statistics are kept per job and overall, and fed to ``VerifierMetrics``;
-samples with a nonzero logdiff are offered to the ``MismatchStore``.
+A sample carries the temperature and truncation (top-k / top-p / min-p) its logprobs were computed
+at; the training path scores the same renormalised distribution. One ``verify`` call is one
+recompute: all its samples go through ``sequence_logprobs`` together, packed into forwards of up to
+``pack_tokens`` tokens (the asynchronous worker drains several queued batches into one call).
+Statistics are kept per job and overall, and fed to ``VerifierMetrics``; samples with a nonzero
+logdiff are offered to the ``MismatchStore``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from onpolicy.kernels.truncation import Truncation
 from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
@@ -46,6 +49,16 @@ class VerifySample:
     source: str = OWN_SOURCE
     received_at: float = 0.0
     """Unix time the verifier received the sample (the lag metric's reference point)."""
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    """The truncation the sample's logprobs were computed at (off: 0, 1, 0): recomputed with it."""
+
+    @property
+    def scored(self) -> ScoredSequence:
+        """The sequence the training path scores: at the sample's temperature and truncation."""
+        return ScoredSequence(self.prompt_ids, self.token_ids, self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass
@@ -88,6 +101,7 @@ class Verifier:
             raise ValueError("logprobs must be finite")
         if not (s.temperature > 0 and math.isfinite(s.temperature)):
             raise ValueError("temperature must be > 0")
+        Truncation(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)  # raises ValueError naming the field
 
     def is_current(self, s: VerifySample) -> bool:
         return s.weight_version == self.weight_version or (s.source != OWN_SOURCE and s.weight_version == 0)
@@ -110,7 +124,7 @@ class Verifier:
             stale = [s for s in samples if not self.is_current(s)]
             trainer: list[torch.Tensor] = []
             if current:
-                seqs = [ScoredSequence(s.prompt_ids, s.token_ids, s.temperature) for s in current]
+                seqs = [s.scored for s in current]
                 with torch.no_grad():
                     trainer = sequence_logprobs(self.lm.model, seqs, pack_tokens=self.pack_tokens)
         batch = LogdiffStats()
@@ -154,7 +168,8 @@ class Verifier:
             model=self.lm.name, kernel_fingerprint=s.kernel_fingerprint, trainer_kernel_fingerprint=cfg.fingerprint,
             trainer_kernel_config=asdict(cfg), weight_version=version, weights_path=path, weights_sha256=file_sha,
             prompt_ids=list(s.prompt_ids), token_ids=list(s.token_ids), logprobs=rollout.tolist(),
-            trainer_logprobs=trainer.tolist(), temperature=float(s.temperature), source=s.source, job_id=s.job_id,
+            trainer_logprobs=trainer.tolist(), temperature=float(s.temperature), top_k=s.top_k, top_p=s.top_p,
+            min_p=s.min_p, source=s.source, job_id=s.job_id,
             step=s.step, max_abs_logdiff=one.max_abs_logdiff, first_mismatch_index=first,
             mismatched_tokens=one.mismatched_tokens,
             batch={"samples": batch_size, "index": index, "pack_tokens": self.pack_tokens})

@@ -57,4 +57,5 @@ def completion_to_proto(c: Completion, text: str = "") -> common_pb2.Completion:
     return common_pb2.Completion(prompt_index=c.prompt_index, sample_index=c.sample_index,
                                  prompt_ids=c.prompt_ids, token_ids=c.token_ids, logprobs=c.logprobs,
                                  finish_reason=c.finish_reason, weight_version=c.weight_version,
-                                 temperature=c.temperature, text=text)
+                                 temperature=c.temperature, text=text, top_k=c.top_k, top_p=c.top_p,
+                                 min_p=c.min_p)

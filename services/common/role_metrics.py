@@ -34,6 +34,12 @@ Trainer (``role="trainer"``; the last TrainStep's numbers, recorded by wrapping 
 ``onpolicy_trainer_tokens_total``                     counter  tokens trained on
 ``onpolicy_trainer_loss`` / ``_grad_norm`` /          gauge    of the last step
 ``_clip_fraction`` / ``_old_logprob_max_abs_diff``
+``onpolicy_trainer_entropy``                          gauge    token-mean policy entropy, last step
+``onpolicy_trainer_correction_fraction``              gauge    tokens truncated (TIS) or masked (MIS)
+                                                               by the rollout correction, last step
+``onpolicy_trainer_correction_ratio``                 histo-   rollout -> trainer importance weights
+                                                      gram     of every corrected step (per token, or
+                                                               per sequence at level sequence)
 ====================================================  =======  ======================================
 """
 
@@ -45,7 +51,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from onpolicy.verification.metrics import BASE_LABELS, kernel_info_family, weight_version_family
 
@@ -98,6 +104,36 @@ class RolloutMetrics:
         yield kernel_info_family(self.labels, self.servicer.kernel_config)
 
 
+class _RatioHistogram:
+    """The rollout-correction weights of every TrainStep so far (``TrainStepResponse``'s per-bucket
+    counts, summed; cumulative per Prometheus histogram convention)."""
+
+    def __init__(self) -> None:
+        self.bounds: list[float] = []
+        self.counts: list[int] = []
+        self.sum = 0.0
+
+    def add(self, resp: Any) -> None:
+        counts = list(getattr(resp, "correction_ratio_counts", ()))
+        if not sum(counts):
+            return
+        bounds = list(resp.correction_ratio_bounds)
+        if bounds != self.bounds:  # the first corrected step (or a trainer with other buckets)
+            self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+        self.sum += resp.correction_ratio_sum
+
+    def family(self, name: str, labels: list[str]) -> Metric:
+        fam = HistogramMetricFamily(name, "Rollout -> trainer importance weights of the rollout correction",
+                                    labels=list(BASE_LABELS))
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts or [0], strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        fam.add_metric(labels, buckets, sum_value=self.sum)
+        return fam
+
+
 class TrainerMetrics:
     """Collector over a ``TrainerServicer``; wraps its ``TrainStep`` to record each step's numbers
     (so build it before the servicer is registered with a gRPC server)."""
@@ -108,6 +144,7 @@ class TrainerMetrics:
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
         self._tokens = 0
+        self._ratio = _RatioHistogram()
         step = servicer.TrainStep
 
         @functools.wraps(step)
@@ -117,7 +154,10 @@ class TrainerMetrics:
                 self._tokens += resp.tokens
                 self._last = {"step_seconds": resp.seconds, "tokens_per_second": resp.tokens_per_second,
                               "loss": resp.loss, "grad_norm": resp.grad_norm, "clip_fraction": resp.clip_fraction,
-                              "old_logprob_max_abs_diff": resp.old_logprob_max_abs_diff}
+                              "old_logprob_max_abs_diff": resp.old_logprob_max_abs_diff,
+                              "entropy": getattr(resp, "entropy", 0.0),
+                              "correction_fraction": getattr(resp, "correction_fraction", 0.0)}
+                self._ratio.add(resp)
             return resp
 
         servicer.TrainStep = train_step
@@ -135,8 +175,13 @@ class TrainerMetrics:
         docs = {"step_seconds": "Duration of the last training step", "tokens_per_second": "Tokens/s of the last step",
                 "loss": "Loss of the last step", "grad_norm": "Gradient norm of the last step (before clipping)",
                 "clip_fraction": "Fraction of tokens clipped in the last step",
-                "old_logprob_max_abs_diff": "Max |old - recomputed logprob| of the last step (0 when on-policy)"}
+                "old_logprob_max_abs_diff": "Max |old - recomputed logprob| of the last step (0 when on-policy)",
+                "entropy": "Token-mean entropy of the policy on the sampled positions in the last step",
+                "correction_fraction": "Fraction of tokens truncated (TIS) or masked (MIS) by the rollout "
+                                       "correction in the last step"}
         for key, doc in docs.items():
             yield _family("gauge", p + key, doc, lab, last.get(key, 0.0))
+        with self._lock:
+            yield self._ratio.family(p + "correction_ratio", lab)
         yield weight_version_family(self.labels, self.servicer.engine.weight_version)
         yield kernel_info_family(self.labels, self.servicer.kernel_config)

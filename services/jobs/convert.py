@@ -59,6 +59,8 @@ def event_proto(ev: JobEvent) -> Any:
         trainer_tokens_per_s=ev.trainer_tokens_per_s, weight_version=ev.weight_version, loss=ev.loss,
         kl_k3=ev.kl_k3, message=ev.message, timestamp=ev.timestamp, eval_accuracy=ev.eval_accuracy,
         eval_problems=ev.eval_problems, grad_norm=ev.grad_norm, clip_fraction=ev.clip_fraction, entropy=ev.entropy,
+        correction_fraction=ev.correction_fraction, groups_dropped=ev.groups_dropped, lr=ev.lr,
+        logdiff_mean=ev.logdiff_mean,
         times=api.jobs_pb2.StepTimes(generate_s=t.generate_s, reward_s=t.reward_s, train_s=t.train_s,
                                      sync_s=t.sync_s, verify_s=t.verify_s, total_s=t.total_s))
 

@@ -5,6 +5,12 @@ rollout's logprobs as the old logprobs (no recompute) while the verifier recompu
 completions on the training path at the same weight version → ExportWeights (versioned file,
 sha256, kernel fingerprint) → UpdateWeights on rollout and verifier → checkpoint at the interval.
 
+The job's ``algorithm`` (``docs/algorithms.md``) shapes the step: the ``LossConfig`` (ratio level,
+aggregation, entropy bonus, rollout correction), the advantages' std switch (``grpo.scale_rewards``),
+DAPO's overlong penalty (a reward term) and dynamic sampling (``_draw``: all-equal-reward groups are
+dropped and more prompts drawn from a data cursor saved with each checkpoint); the learning rate of
+each step follows ``grpo.lr_schedule`` and ``grpo.warmup_steps``.
+
 Resume: ``run`` first restores the trainer from the job's latest checkpoint (a fresh job saves its
 step-0 checkpoint instead) and pushes that weight version to rollout and verifier, so a job picks
 up where its last checkpoint left off whatever state the services are in. A call that fails with
@@ -33,7 +39,7 @@ from onpolicy.jobs.prompts import Prompt
 from onpolicy.jobs.rewards import RewardInput, RewardSet
 from onpolicy.jobs.spec import JobSpec
 from onpolicy.services import api
-from onpolicy.trainer.grpo import group_advantages
+from onpolicy.trainer.grpo import group_advantages, informative_groups, overlong_penalty, scheduled_lr
 
 from .records import JobEvent, JobState, StepTimes
 
@@ -68,6 +74,23 @@ class JobInputs:
     eval_prompts: list[Prompt] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A step's training groups: completions and rewards, in group order; the groups drawn and
+    dropped (dynamic sampling), and every token generated for the step."""
+
+    comps: list[Any]
+    rewards: list[float]
+    dropped: int = 0
+    generated_tokens: int = 0
+    reward_s: float = 0.0
+    """Seconds spent scoring rewards (inside the drawing, as each round is scored)."""
+
+
+#: Seed offset between two dynamic-sampling rounds of one step.
+ROUND_SEED_STRIDE = 7_919_993
+
+
 class GRPOLoop:
     def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, inputs: JobInputs, workdir: Path,
                  on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
@@ -77,6 +100,8 @@ class GRPOLoop:
         self.on_event, self.should_stop = on_event, should_stop
         self.weight_version = 0
         self._rollout_fingerprint: str | None = None
+        self.cursor = 0
+        """The data cursor of dynamic sampling (prompts drawn so far; saved with checkpoints)."""
 
     def _check(self) -> None:
         if self.should_stop():
@@ -86,7 +111,10 @@ class GRPOLoop:
         req = api.rollout_pb2.GenerateRequest(
             prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch],
             params=api.rollout_pb2.SamplingParams(temperature=temperature, n=n, seed=seed,
-                                                  max_new_tokens=self.spec.rollout.max_new_tokens))
+                                                  max_new_tokens=self.spec.rollout.max_new_tokens,
+                                                  # no effect when greedy (the eval): the argmax is kept
+                                                  top_p=self.spec.rollout.top_p, top_k=self.spec.rollout.top_k,
+                                                  min_p=self.spec.rollout.min_p))
         comps = [r.completion for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S)]
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
 
@@ -121,19 +149,71 @@ class GRPOLoop:
             wait=True)
         return self.stubs.verifier.SubmitSamples(req, timeout=CALL_TIMEOUT_S).report
 
-    def _train(self, comps: list[Any], advantages: list[float]) -> Any:
+    def _rewards(self, batch: list[Prompt], comps: list[Any]) -> tuple[list[float], float]:
+        """Each completion's total reward plus DAPO's overlong penalty (0 with ``overlong_buffer`` 0),
+        and the seconds it took."""
+        g, max_new = self.spec.grpo, self.spec.rollout.max_new_tokens
+        t = time.perf_counter()
+        rewards = [self.inputs.rewards.total(self._reward_input(batch, c))
+                   + overlong_penalty(len(c.token_ids), max_new, g.overlong_buffer, g.overlong_penalty_factor)
+                   for c in comps]
+        return rewards, time.perf_counter() - t
+
+    def _draw(self, step: int) -> Drawn:
+        """The step's groups. Without dynamic sampling: the prompts at ``step * prompts_per_step``.
+        With it (DAPO): rounds of ``prompts_per_step`` prompts from the data cursor, keeping the
+        groups whose rewards are not all equal, until ``prompts_per_step`` are kept or
+        ``max_sampling_rounds`` rounds ran (then topped up with dropped groups in the order drawn)."""
+        s, g = self.spec, self.spec.grpo
+        if not g.dynamic_sampling:
+            batch = batch_at(self.inputs.prompts, step * g.prompts_per_step, g.prompts_per_step)
+            self._check()
+            comps = self._generate(batch, s.seed * 1_000_003 + step, s.rollout.temperature, g.group_size)
+            rewards, seconds = self._rewards(batch, comps)
+            return Drawn(comps, rewards, 0, sum(len(c.token_ids) for c in comps), seconds)
+        kept: list[tuple[list[Any], list[float]]] = []
+        dropped: list[tuple[list[Any], list[float]]] = []
+        generated, reward_s = 0, 0.0
+        for r in range(g.max_sampling_rounds):
+            batch = batch_at(self.inputs.prompts, self.cursor, g.prompts_per_step)
+            self.cursor += g.prompts_per_step
+            self._check()
+            comps = self._generate(batch, s.seed * 1_000_003 + step + r * ROUND_SEED_STRIDE, s.rollout.temperature,
+                                   g.group_size)
+            generated += sum(len(c.token_ids) for c in comps)
+            rewards, seconds = self._rewards(batch, comps)
+            reward_s += seconds
+            for k, keep in enumerate(informative_groups(rewards, g.group_size)):
+                group = slice(k * g.group_size, (k + 1) * g.group_size)
+                (kept if keep else dropped).append((comps[group], rewards[group]))
+            if len(kept) >= g.prompts_per_step:
+                break
+        chosen = (kept + dropped)[:g.prompts_per_step]
+        return Drawn([c for cs, _ in chosen for c in cs], [x for _, rs in chosen for x in rs],
+                     len(dropped) - max(0, g.prompts_per_step - len(kept)), generated, reward_s)
+
+    def _train(self, comps: list[Any], advantages: list[float], lr: float | None = None) -> Any:
         g = self.spec.grpo
         req = api.trainer_pb2.TrainStepRequest(
             samples=[api.trainer_pb2.TrainSample(prompt_ids=c.prompt_ids, token_ids=c.token_ids,
-                                                 old_logprobs=c.logprobs, advantage=a, temperature=c.temperature)
+                                                 old_logprobs=c.logprobs, advantage=a, temperature=c.temperature,
+                                                 top_k=c.top_k, top_p=c.top_p, min_p=c.min_p)
                      for c, a in zip(comps, advantages, strict=True)],
             loss=api.trainer_pb2.LossConfig(clip_eps_low=g.clip_eps_low, clip_eps_high=g.clip_eps_high,
                                             kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
-                                            epochs=g.epochs, minibatches=g.minibatches),
-            optimizer=api.trainer_pb2.OptimizerConfig(lr=g.lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                                            epochs=g.epochs, minibatches=g.minibatches, **self._loss_fields()),
+            optimizer=api.trainer_pb2.OptimizerConfig(lr=g.lr if lr is None else lr, beta1=0.9, beta2=0.999, eps=1e-8,
                                                       weight_decay=g.weight_decay, grad_clip=g.grad_clip),
             recompute_old_logprobs=g.recompute_old_logprobs)
         return self.stubs.trainer.TrainStep(req, timeout=CALL_TIMEOUT_S)
+
+    def _loss_fields(self) -> dict[str, Any]:
+        """The ``LossConfig`` fields of the job's algorithm, entropy bonus and rollout correction."""
+        s = self.spec
+        return {"ratio_level": "sequence" if s.algorithm == "gspo" else "token",
+                "horizon": s.rollout.max_new_tokens, "entropy_coef": s.grpo.entropy_coef,
+                "correction_mode": s.correction.mode, "correction_level": s.correction.level,
+                "correction_threshold": s.correction.threshold}
 
     def _sync(self) -> int:
         ref = self.stubs.trainer.ExportWeights(api.trainer_pb2.ExportWeightsRequest(
@@ -145,28 +225,27 @@ class GRPOLoop:
 
     def checkpoint(self, step: int) -> None:
         self.stubs.trainer.SaveCheckpoint(api.trainer_pb2.SaveCheckpointRequest(
-            directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id}),
+            directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id,
+                                                                 "cursor": self.cursor}),
             keep_last=self.spec.checkpoint.keep_last), timeout=CALL_TIMEOUT_S)
 
     def step(self, step: int) -> JobEvent:
         s = self.spec
         times = StepTimes()
         t_start = time.perf_counter()
-        batch = batch_at(self.inputs.prompts, step * s.grpo.prompts_per_step, s.grpo.prompts_per_step)
-        self._check()
         t = time.perf_counter()
-        comps = self._generate(batch, s.seed * 1_000_003 + step, s.rollout.temperature, s.grpo.group_size)
-        times.generate_s = time.perf_counter() - t
-        gen_tokens = sum(len(c.token_ids) for c in comps)
+        drawn = self._draw(step)
+        comps, rewards, gen_tokens = drawn.comps, drawn.rewards, drawn.generated_tokens
+        times.generate_s = time.perf_counter() - t - drawn.reward_s
         t = time.perf_counter()
-        rewards = [self.inputs.rewards.total(self._reward_input(batch, c)) for c in comps]
-        advantages = group_advantages(rewards, s.grpo.group_size)
-        times.reward_s = time.perf_counter() - t
+        advantages = group_advantages(rewards, s.grpo.group_size, normalize_std=s.grpo.scale_rewards)
+        lr = scheduled_lr(s.grpo.lr, step, s.steps, s.grpo.lr_schedule, s.grpo.warmup_steps)
+        times.reward_s = drawn.reward_s + time.perf_counter() - t
         self._check()
         with ThreadPoolExecutor(max_workers=1) as pool:
             t = time.perf_counter()
             verify = pool.submit(self._verify, comps, step)  # same weight version as the rollout
-            train = self._train(comps, advantages)
+            train = self._train(comps, advantages, lr)
             times.train_s = time.perf_counter() - t
             report = verify.result()
             times.verify_s = time.perf_counter() - t
@@ -182,15 +261,16 @@ class GRPOLoop:
             self._check()
             accuracy, scored = self.evaluate()
         times.total_s = time.perf_counter() - t_start
-        return JobEvent(eval_accuracy=accuracy, eval_problems=scored,
-            job_id=self.job_id, step=done, state=JobState.RUNNING,
+        return JobEvent(
+            job_id=self.job_id, step=done, state=JobState.RUNNING, eval_accuracy=accuracy, eval_problems=scored,
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
-            logdiff_max=report.max_abs_logdiff, tokens_checked=report.tokens_checked,
-            tokens_mismatched=report.tokens_mismatched,
+            logdiff_max=report.max_abs_logdiff, logdiff_mean=report.mean_abs_logdiff,
+            tokens_checked=report.tokens_checked, tokens_mismatched=report.tokens_mismatched,
             rollout_tokens_per_s=gen_tokens / times.generate_s if times.generate_s else 0.0,
             trainer_tokens_per_s=train.tokens_per_second, weight_version=self.weight_version, loss=train.loss,
             kl_k3=report.kl_k3, times=times, grad_norm=train.grad_norm, clip_fraction=train.clip_fraction,
-            entropy=getattr(train, "entropy", 0.0))
+            entropy=getattr(train, "entropy", 0.0), correction_fraction=train.correction_fraction,
+            groups_dropped=drawn.dropped, lr=lr)
 
     def resume(self) -> int:
         """Restore the trainer from the job's latest checkpoint (a job without one saves its step-0
@@ -201,13 +281,16 @@ class GRPOLoop:
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
+            self.cursor = 0
             self.checkpoint(0)
             step = 0
         else:
-            owner = json.loads(restored.extra_json or "{}").get("job_id", self.job_id)
+            extra = json.loads(restored.extra_json or "{}")
+            owner = extra.get("job_id", self.job_id)
             if owner != self.job_id:
                 raise RuntimeError(f"checkpoint dir {self.ckpt_dir} holds job {owner}'s checkpoints")
             step = int(restored.step)
+            self.cursor = int(extra.get("cursor", step * self.spec.grpo.prompts_per_step))
         self.weight_version = self._sync()
         return step
 

@@ -52,8 +52,15 @@ class JobEvent:
     """Mean eval reward of the greedy completions of the held-out split (None: not scored this step)."""
     eval_problems: int = 0
     grad_norm: float = 0.0
+    logdiff_mean: float = 0.0
     clip_fraction: float = 0.0
     entropy: float = 0.0
+    correction_fraction: float = 0.0
+    """Fraction of tokens whose rollout-correction weight was truncated (tis) or masked (mis)."""
+    groups_dropped: int = 0
+    """Dynamic sampling: groups with all-equal rewards drawn this step and not trained on."""
+    lr: float = 0.0
+    """The learning rate the step trained with (after warmup and schedule)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

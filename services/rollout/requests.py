@@ -25,7 +25,7 @@ def sampling_params(msg: rollout_pb2.SamplingParams, vocab_size: int) -> Samplin
     try:
         return SamplingParams(temperature=msg.temperature, max_new_tokens=msg.max_new_tokens,
                               stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, n=msg.n or 1,
-                              seed=msg.seed)
+                              seed=msg.seed, top_p=msg.top_p or 1.0, top_k=msg.top_k, min_p=msg.min_p)
     except ValueError as e:  # anything SamplingParams checks beyond the above
         raise InvalidArgument("params", str(e)) from None
 

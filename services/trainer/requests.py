@@ -4,7 +4,8 @@ Every refusal is an ``InvalidArgument`` naming the offending field by its path i
 (``samples[2].old_logprobs``, ``loss.clip_eps_low``, ``optimizer.lr`` ...). proto3 cannot tell an
 unset scalar from 0, so a few zeros mean "unset": a temperature of 0 means 1.0 (the rollout reports
 greedy logprobs at temperature 1), ``epochs`` / ``minibatches`` of 0 mean 1, ``pack_tokens`` of 0
-means the engine default, an empty ``kl_estimator`` means ``k3`` and empty ``extra_json`` means ``{}``.
+means the engine default, an empty ``kl_estimator`` means ``k3``, empty ``extra_json`` means ``{}``,
+and a ``top_p`` of 0 means 1 (``top_k`` / ``min_p`` of 0 are off anyway).
 Everything else must be given explicitly (an AdamW ``eps`` of 0 is refused, not defaulted).
 """
 
@@ -14,12 +15,14 @@ import json
 import math
 from collections.abc import Sequence
 
+from onpolicy.kernels.truncation import Truncation
 from onpolicy.models.config import ModelConfig
-from onpolicy.services.api import trainer_pb2
+from onpolicy.services.api import common_pb2, trainer_pb2
 from onpolicy.services.common.errors import InvalidArgument
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainSample
+from onpolicy.trainer.correction import CORRECTION_LEVELS, CORRECTION_MODES
 from onpolicy.trainer.forward import ScoredSequence
-from onpolicy.trainer.grpo import KL_ESTIMATORS, LOSS_AGGS
+from onpolicy.trainer.grpo import KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS
 
 
 def _finite(field: str, value: float) -> float:
@@ -44,11 +47,20 @@ def _temperature(field: str, value: float) -> float:
     return value or 1.0
 
 
-def _sequence(field: str, prompt: Sequence[int], tokens: Sequence[int], temperature: float,
+def _truncation(field: str, msg: trainer_pb2.TrainSample | common_pb2.ScoredSequence) -> Truncation:
+    """A message's top_k / top_p / min_p (proto3 zeros: off)."""
+    try:
+        return Truncation.from_proto(msg.top_k, msg.top_p, msg.min_p)
+    except ValueError as e:
+        raise InvalidArgument(field, str(e)) from None
+
+
+def _sequence(field: str, msg: trainer_pb2.TrainSample | common_pb2.ScoredSequence,
               cfg: ModelConfig) -> ScoredSequence:
-    seq = ScoredSequence(_ids(f"{field}.prompt_ids", prompt, cfg.vocab_size),
-                         _ids(f"{field}.token_ids", tokens, cfg.vocab_size),
-                         _temperature(f"{field}.temperature", temperature))
+    trunc = _truncation(field, msg)
+    seq = ScoredSequence(_ids(f"{field}.prompt_ids", msg.prompt_ids, cfg.vocab_size),
+                         _ids(f"{field}.token_ids", msg.token_ids, cfg.vocab_size),
+                         _temperature(f"{field}.temperature", msg.temperature), **trunc.to_dict())
     if seq.input_len > cfg.max_position_embeddings:
         raise InvalidArgument(field, f"prompt + tokens need {seq.input_len} positions, the model has "
                                      f"{cfg.max_position_embeddings}")
@@ -60,8 +72,7 @@ def scored_sequences(request: trainer_pb2.ComputeLogprobsRequest, cfg: ModelConf
         raise InvalidArgument("sequences", "must not be empty")
     if request.pack_tokens < 0:
         raise InvalidArgument("pack_tokens", f"must be >= 0 (0 = default), got {request.pack_tokens}")
-    return [_sequence(f"sequences[{i}]", s.prompt_ids, s.token_ids, s.temperature, cfg)
-            for i, s in enumerate(request.sequences)]
+    return [_sequence(f"sequences[{i}]", s, cfg) for i, s in enumerate(request.sequences)]
 
 
 def train_samples(samples: Sequence[trainer_pb2.TrainSample], cfg: ModelConfig) -> list[TrainSample]:
@@ -70,7 +81,7 @@ def train_samples(samples: Sequence[trainer_pb2.TrainSample], cfg: ModelConfig) 
     out = []
     for i, s in enumerate(samples):
         f = f"samples[{i}]"
-        seq = _sequence(f, s.prompt_ids, s.token_ids, s.temperature, cfg)
+        seq = _sequence(f, s, cfg)
         if len(s.old_logprobs) != len(s.token_ids):
             raise InvalidArgument(f"{f}.old_logprobs", f"has {len(s.old_logprobs)} values; token_ids has "
                                                        f"{len(s.token_ids)} (one logprob per token)")
@@ -79,7 +90,7 @@ def train_samples(samples: Sequence[trainer_pb2.TrainSample], cfg: ModelConfig) 
             raise InvalidArgument(f"{f}.old_logprobs", f"must be finite, got {bad[0]}")
         out.append(TrainSample(prompt_ids=seq.prompt_ids, token_ids=seq.token_ids,
                                old_logprobs=tuple(s.old_logprobs), advantage=_finite(f"{f}.advantage", s.advantage),
-                               temperature=seq.temperature))
+                               temperature=seq.temperature, **seq.truncation.to_dict()))
     return out
 
 
@@ -107,7 +118,34 @@ def loss_config(msg: trainer_pb2.LossConfig, num_samples: int, field: str = "los
         raise InvalidArgument(f"{field}.minibatches", f"{minibatches} minibatches need at least as many samples, "
                                                       f"got {num_samples}")
     return LossConfig(clip_eps_low=low, clip_eps_high=high, kl_coef=kl_coef, kl_estimator=estimator,
-                      loss_agg=msg.loss_agg, epochs=msg.epochs or 1, minibatches=minibatches)
+                      loss_agg=msg.loss_agg, epochs=msg.epochs or 1, minibatches=minibatches,
+                      **_algorithm_fields(msg, field))
+
+
+def _choice(field: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidArgument(field, f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _algorithm_fields(msg: trainer_pb2.LossConfig, field: str) -> dict[str, object]:
+    """The ratio level, Dr. GRPO horizon, entropy coefficient and rollout correction of ``msg``
+    (empty strings mean the first choice, a threshold of 0 means 2)."""
+    level = _choice(f"{field}.ratio_level", msg.ratio_level or "token", RATIO_LEVELS)
+    if msg.loss_agg == "seq-mean-token-sum-norm" and msg.horizon < 1:
+        raise InvalidArgument(f"{field}.horizon", f"must be >= 1 with loss_agg seq-mean-token-sum-norm, got "
+                                                  f"{msg.horizon}")
+    entropy_coef = _finite(f"{field}.entropy_coef", msg.entropy_coef)
+    if entropy_coef < 0:
+        raise InvalidArgument(f"{field}.entropy_coef", f"must be >= 0, got {entropy_coef}")
+    threshold = _finite(f"{field}.correction_threshold", msg.correction_threshold) or 2.0
+    if threshold < 1:
+        raise InvalidArgument(f"{field}.correction_threshold", f"must be >= 1 (0 = unset, i.e. 2), got {threshold}")
+    return {"ratio_level": level, "horizon": max(msg.horizon, 0), "entropy_coef": entropy_coef,
+            "correction_mode": _choice(f"{field}.correction_mode", msg.correction_mode or "none", CORRECTION_MODES),
+            "correction_level": _choice(f"{field}.correction_level", msg.correction_level or "token",
+                                        CORRECTION_LEVELS),
+            "correction_threshold": threshold}
 
 
 def optimizer_config(msg: trainer_pb2.OptimizerConfig, field: str = "optimizer") -> OptimizerConfig:

@@ -37,7 +37,15 @@ from onpolicy.parallel.peers import PeerFailed
 from onpolicy.services.api import common_pb2, trainer_pb2, trainer_pb2_grpc
 from onpolicy.services.common.convert import kernel_config_to_proto, weights_ref_to_proto
 from onpolicy.services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from onpolicy.trainer.checkpoint import LATEST, MANIFEST, CheckpointError, load_checkpoint, prune_checkpoints
+from onpolicy.trainer.checkpoint import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    check_free_space,
+    load_checkpoint,
+    prune_checkpoints,
+)
+from onpolicy.trainer.correction import RATIO_BUCKETS
 from onpolicy.trainer.engine import TrainerEngine
 from onpolicy.weights import prune_weight_versions
 
@@ -101,7 +109,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.TrainStepResponse(
             step=st.step, loss=st.loss, grad_norm=st.grad_norm, clip_fraction=st.clip_fraction, kl=st.kl,
             tokens=st.tokens, seconds=st.seconds, tokens_per_second=st.tokens_per_second,
-            old_logprob_max_abs_diff=st.old_logprob_max_abs_diff, recompute_seconds=st.recompute_seconds)
+            old_logprob_max_abs_diff=st.old_logprob_max_abs_diff, recompute_seconds=st.recompute_seconds,
+            entropy=st.entropy, correction_fraction=st.correction.fraction,
+            correction_ratio_bounds=list(RATIO_BUCKETS), correction_ratio_counts=list(st.correction.bucket_counts),
+            correction_ratio_sum=st.correction.ratio_sum)
 
     def ExportWeights(self, request: trainer_pb2.ExportWeightsRequest, context: grpc.ServicerContext,
                       ) -> trainer_pb2.ExportWeightsResponse:
@@ -123,6 +134,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         requests.keep_last(request.keep_last)
         with self._engine():
             try:
+                check_free_space(directory, sum(t.numel() * t.element_size() for t in self.engine.model.parameters()))
                 path = self.engine.save_checkpoint(directory, extra)
                 if request.keep_last > 0:
                     prune_checkpoints(directory, request.keep_last)

@@ -47,7 +47,7 @@ def report_proto(stats: LogdiffStats, version: int, dropped: int) -> object:
     return api.common_pb2.LogdiffReport(
         tokens_checked=stats.tokens_checked, tokens_mismatched=stats.mismatched_tokens,
         sequences_checked=stats.sequences_checked, max_abs_logdiff=stats.max_abs_logdiff, kl_k3=stats.kl_k3,
-        weight_version=version, samples_dropped=dropped)
+        weight_version=version, samples_dropped=dropped, mean_abs_logdiff=stats.mean_abs_logdiff)
 
 
 class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
@@ -82,6 +82,7 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
             sample = VerifySample(job_id=s.job_id, step=s.step, prompt_ids=tuple(c.prompt_ids),
                                   token_ids=tuple(c.token_ids), logprobs=tuple(c.logprobs),
                                   temperature=c.temperature or 1.0, weight_version=c.weight_version,
+                                  top_k=c.top_k, top_p=c.top_p or 1.0, min_p=c.min_p,
                                   kernel_fingerprint=fingerprint, source=source, received_at=now)
             try:
                 self.verifier.check_sample(sample)
@@ -166,6 +167,7 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
         s = self._samples(api.verifier_pb2.SubmitSamplesRequest(samples=[request.sample]))[0]
         record = {"model": self.lm.name, "prompt_ids": list(s.prompt_ids), "token_ids": list(s.token_ids),
                   "logprobs": list(s.logprobs), "temperature": s.temperature, "source": s.source,
+                  "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                   "job_id": s.job_id, "step": s.step, "weight_version": s.weight_version}
         if s.kernel_fingerprint:
             record["kernel_fingerprint"] = s.kernel_fingerprint

@@ -31,8 +31,9 @@ RULE_TESTS = ROOT / "deploy" / "prometheus" / "rules.test.yaml"
 GRAFANA_DURATIONS = {"$__rate_interval": "5m", "$__range": "1h", "$__interval": "1m"}
 # Queried by the dashboard, exported by the job controller (its aggregated /metrics), not by a
 # role service. Reward is known to the controller only (rule-based rewards are computed there).
-CONTROLLER_METRICS = {"onpolicy_job_reward_mean", "onpolicy_job_loss", "onpolicy_job_grad_norm", "onpolicy_job_clip_fraction",
-                      "onpolicy_job_entropy", "onpolicy_job_eval_accuracy", "onpolicy_job_kl_k3"}
+CONTROLLER_METRICS = {"onpolicy_job_reward_mean", "onpolicy_job_loss", "onpolicy_job_grad_norm",
+                      "onpolicy_job_clip_fraction", "onpolicy_job_entropy", "onpolicy_job_eval_accuracy",
+                      "onpolicy_job_kl_k3"}
 
 
 def promtool() -> str:

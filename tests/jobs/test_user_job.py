@@ -209,19 +209,25 @@ def test_jobs_beyond_the_limit_queue_and_watch_streams_are_capped(jobs, user_env
         first = submit(stub, spec)
         second = submit(stub, spec)
         assert controller.queue_position(second) == 1 and controller.queue_position(first) == 0
-        first_events: list = []
-        watcher = threading.Thread(target=lambda: first_events.extend(events(stub, first)))
+        second_events: list = []  # a stream on the queued job: open until that job has run
+
+        def watch_second() -> None:
+            for r in stub.WatchJob(api.jobs_pb2.WatchJobRequest(job_id=second), timeout=900):
+                second_events.append(r.event)
+
+        watcher = threading.Thread(target=watch_second)
         watcher.start()
-        while not controller.get(first).step and controller.get(first).state.value != "FAILED":
-            watcher.join(0.2)  # the first stream is open by now
+        while not second_events:  # its past events arrived: the stream is open on the server
+            watcher.join(0.1)
         with pytest.raises(grpc.RpcError) as e:
-            events(stub, second)
+            events(stub, first)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        watcher.join(600)
-        assert first_events[-1].state == api.jobs_pb2.JOB_STATE_SUCCEEDED
-        done_at = first_events[-1].timestamp
-        rest = events(stub, second)  # the cap is free again
+        watcher.join(900)
+        rest = second_events
         assert rest[-1].state == api.jobs_pb2.JOB_STATE_SUCCEEDED, rest[-1].message
+        done = events(stub, first)  # the cap is free again
+        assert done[-1].state == api.jobs_pb2.JOB_STATE_SUCCEEDED
+        done_at = done[-1].timestamp
         queued = [e for e in rest if e.message.startswith("queued: position 1")]
         running = [e for e in rest if e.state == api.jobs_pb2.JOB_STATE_RUNNING]
         assert queued and running and running[0].timestamp >= done_at

@@ -8,25 +8,10 @@ import pytest
 
 from onpolicy.jobs.spec import load_spec_file
 from onpolicy.services import api
-from onpolicy.services.common.client import connect
 from onpolicy.services.jobs.controller import job_inputs
 from onpolicy.services.jobs.loop import GRPOLoop, RoleStubs
-from onpolicy.services.roles import RoleOptions, start_role_server
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "loop-test-token"
-
-
-@pytest.fixture(scope="module")
-def stubs():
-    opts = RoleOptions(model="tiny-qwen3", kv_tile=16)
-    servers = {role: start_role_server(role, opts, token=TOKEN) for role in ("rollout", "trainer", "verifier")}
-    ch = {role: connect(s.address, token=TOKEN) for role, s in servers.items()}
-    yield RoleStubs(rollout=api.rollout_pb2_grpc.RolloutServiceStub(ch["rollout"]),
-                    trainer=api.trainer_pb2_grpc.TrainerServiceStub(ch["trainer"]),
-                    verifier=api.verifier_pb2_grpc.VerifierServiceStub(ch["verifier"]))
-    for s in servers.values():
-        s.stop(grace=0)
 
 
 def fixed_prompt_logprobs(stubs: RoleStubs) -> list[float]:

@@ -196,3 +196,23 @@ def test_build_trainer_service_runs_the_selftest(tmp_home: Path, monkeypatch: py
     monkeypatch.setattr(common_model, "run_selftest", failing)
     with pytest.raises(UncertifiedBackend, match="linear/qkv"):
         build_trainer_service(MODEL, config.with_(kv_tile=32))
+
+
+def test_a_checkpoint_that_does_not_fit_on_disk_fails_cleanly(served: tuple, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    stub, servicer = served
+    root = tmp_path / "ckpt"
+    first = stub.SaveCheckpoint(pb.SaveCheckpointRequest(directory=str(root)), timeout=60)
+    size = sum(f.stat().st_size for f in Path(first.path).iterdir())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(1 << 40, 1 << 40, size))  # less than a checkpoint
+    servicer.engine.step += 1  # a new step to save
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SaveCheckpoint(pb.SaveCheckpointRequest(directory=str(root)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not enough free space" in err.value.details() and str(root) in err.value.details()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", Path(first.path).name]  # nothing torn, nothing new
+    assert load_checkpoint(root).step == first.step

