@@ -103,5 +103,17 @@ def median_time(fn: Callable[[], object], repeats: int, warm: Callable[[], objec
     return statistics.median(times)
 
 
+def alternating(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each of ``fns`` called ``rounds`` times, the engines taking turns within each round and the
+    order reversed every other round, so that a drifting machine hits them alike; each name's values
+    in round order."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            runs[name].append(fns[name]())
+    return runs
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

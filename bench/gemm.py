@@ -1,6 +1,6 @@
-"""``python -m onpolicy.bench.gemm``: GFLOP/s of the reference backend's linear kernel (``rowdot``,
-``kernels/native/rowdot.c``) against ``torch.mm`` (MKL), the measured FMA peak, and a candidate
-single-chain order (``bench/outer_gemm.c``).
+"""``onpolicy bench gemm`` (also ``python -m onpolicy.bench.gemm``): GFLOP/s of the reference
+backend's linear kernel (``rowdot``, ``kernels/native/rowdot.c``) against ``torch.mm`` (MKL), the
+measured FMA peak, and a candidate single-chain order (``bench/outer_gemm.c``).
 
 Shapes are SmolLM2-135M's linears (``K x N``: 576x576 q/o, 576x1536 gate/up, 1536x576 down, and the
 576x49152 LM head), at M = 1, 2, 4, 8, 32, 256, 1024 rows (the LM head up to 256), fp32 and bf16
@@ -36,13 +36,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch and the kernels load only when a benchmark runs, so `onpolicy --help` stays fast
+    from torch import Tensor
 
-from onpolicy.kernels import native
-
-from .common import Report, Result, log, median_time
+    from .common import Report
 
 SHAPES = {"qo_576x576": (576, 576), "gate_up_576x1536": (576, 1536), "down_1536x576": (1536, 576),
           "lm_head_576x49152": (576, 49152)}
@@ -54,6 +53,8 @@ DECODE_ROWS = 8
 
 def fma_peak(threads: int) -> float:
     """GFLOP/s of ``bench/fma_peak.c`` on ``threads`` threads."""
+    from onpolicy.kernels import native
+
     src = Path(__file__).with_name("fma_peak.c")
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "fma_peak"
@@ -68,6 +69,10 @@ _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 @functools.cache
 def outer_library() -> ctypes.CDLL:
     """``bench/outer_gemm.c`` built with the native kernels' flags (and torch's OpenMP runtime)."""
+    import torch
+
+    from onpolicy.kernels import native
+
     src = Path(__file__).with_name("outer_gemm.c")
     out = Path(tempfile.mkdtemp(prefix="onpolicy-outer-gemm-")) / "outer_gemm.so"
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -89,6 +94,10 @@ def outer_library() -> ctypes.CDLL:
 def outer_gemm(x: Tensor, w: Tensor, *, portable: bool = False, threads: int = 1) -> Tensor:
     """``x [M, K]`` (fp32) by ``w [N, K]`` (fp32 or bf16), each output one FMA chain over k: on the
     AVX2 path, or the portable one when asked or when this CPU has no AVX2+FMA."""
+    import torch
+
+    from onpolicy.kernels import native
+
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n)
@@ -103,6 +112,8 @@ def outer_gemm(x: Tensor, w: Tensor, *, portable: bool = False, threads: int = 1
 
 def outer_pack(w: Tensor) -> Tensor:
     """``w`` packed once for :func:`outer_gemv_packed`."""
+    import torch
+
     n, k = w.shape
     out = torch.empty(-(-n // 16) * 16 * k, dtype=w.dtype)
     outer_library().outer_pack(w.data_ptr(), int(w.dtype == torch.bfloat16), k, n, k, out.data_ptr())
@@ -111,6 +122,10 @@ def outer_pack(w: Tensor) -> Tensor:
 
 def outer_gemv_packed(x: Tensor, packed: Tensor, n: int, *, threads: int = 1) -> Tensor:
     """``outer_gemm(x, w)`` from ``outer_pack(w)`` (``n`` rows of w), one row of x at a time (AVX2 only)."""
+    import torch
+
+    from onpolicy.kernels import native
+
     if not native.vector_path():
         raise RuntimeError("outer_gemv_packed runs on the AVX2 path only")
     m, k = x.shape
@@ -123,6 +138,10 @@ def outer_gemv_packed(x: Tensor, packed: Tensor, n: int, *, threads: int = 1) ->
 def check_outer_bits(x: Tensor, w: Tensor, packed: Tensor) -> list[str]:
     """Where the candidate's bits depend on the path, the batch, the threads or the packing (none
     expected); and whether they differ from rowdot's order (expected: another order)."""
+    import torch
+
+    from onpolicy.kernels import native
+
     full = outer_gemm(x, w, threads=2)
     fails = []
     checks: dict[str, Callable[[], bool]] = {
@@ -151,6 +170,8 @@ def _repeats(flops: float) -> int:
 def interleaved(fns: dict[str, Callable[[], object]], flops: float) -> dict[str, float]:
     """GFLOP/s of each of ``fns`` (one size's kernels), timed in ``ROUNDS`` alternating rounds: the
     median over rounds of each round's median time."""
+    from .common import median_time
+
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
@@ -177,6 +198,10 @@ def kernels(x: Tensor, w: Tensor, packed: list[tuple[Tensor, int]] | None, opack
             threads: int) -> dict[str, Callable[[], object]]:
     """The calls timed for one size: rowdot (plain, packed), torch.mm on the fp32 weight (read
     transposed, as ``F.linear`` reads it), the candidate (plain; packed for a decode step's rows)."""
+    import torch
+
+    from onpolicy.kernels import native
+
     wf, n = w.float(), w.shape[0]
     fns: dict[str, Callable[[], object]] = {"rowdot": lambda: native.rowdot(x, w)}
     if packed is not None:
@@ -191,6 +216,12 @@ def kernels(x: Tensor, w: Tensor, packed: list[tuple[Tensor, int]] | None, opack
 def measure(threads: int, rows: tuple[int, ...]) -> list[dict[str, object]]:
     """One record per (shape, weight dtype, rows): GFLOP/s of rowdot, rowdot_packed, torch.mm and the
     single-chain candidate (per-call packing, and the decode form on a copy packed once)."""
+    import torch
+
+    from onpolicy.kernels import native
+
+    from .common import log
+
     torch.set_num_threads(threads)
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -216,17 +247,15 @@ def measure(threads: int, rows: tuple[int, ...]) -> list[dict[str, object]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m onpolicy.bench.gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    p.add_argument("--rows", default=",".join(map(str, ROWS)),
-                   help="comma-separated M (default 1,2,4,8,32,256,1024)")
-    p.add_argument("--json", type=Path, help="also write the report as JSON to this path")
-    args = p.parse_args(argv)
+def run_gemm(threads: list[int], rows: tuple[int, ...], command: str) -> Report:
+    """The report of one run: a result per (shape, M, weight dtype, threads) — rowdot vs torch.mm —
+    the peaks, the summary, and (``details.records``) every number."""
+    from onpolicy.kernels import native
+
+    from .common import Report, Result
+
     t0 = time.perf_counter()
-    threads = [int(t) for t in args.threads.split(",")]
-    rows = tuple(int(m) for m in args.rows.split(","))
-    report = Report(f"python -m onpolicy.bench.gemm --threads {args.threads} --rows {args.rows}")
+    report = Report(command)
     load_before = os.getloadavg()  # another process on the machine shows here (2 threads on 2 cores suffer most)
     peaks = {t: fma_peak(t) for t in threads}
     records = [r for t in threads for r in measure(t, rows)]
@@ -240,10 +269,68 @@ def main(argv: list[str] | None = None) -> None:
             note += f", single chain {r['outer_packed']:.1f}"
         report.results.append(Result(label, float(r["rowdot"]), float(r["torch_mm"]), "GFLOP/s", note))  # type: ignore[arg-type]
     report.details = {"fma_peak_gflops": peaks, "vector_path": native.vector_path(), "summary": summary(records),
-                      "loadavg_before_after": [load_before, os.getloadavg()]}
+                      "loadavg_before_after": [load_before, os.getloadavg()], "records": records}
     report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must be comma-separated integers >= 1")
+    return values
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)),
+                   help="comma-separated M (default 1,2,4,8,32,256,1024)")
+
+
+def add_parser(benches: argparse._SubParsersAction) -> None:
+    """``onpolicy bench gemm [--threads 1,2] [--rows ...] [--json]``."""
+
+    text = "GFLOP/s of the reference linear (rowdot) vs torch.mm (MKL), the FMA peak and the single-chain order"
+    b = benches.add_parser("gemm", help=text, description=text)
+    _options(b)
+    b.add_argument("--json", action="store_true", help="JSON for machines instead of the table")
+    b.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from onpolicy.cli.common import emit_json, fail
+
+    try:
+        threads, rows = _int_list(args.threads, "--threads"), tuple(_int_list(args.rows, "--rows"))
+    except ValueError as e:
+        fail(str(e))
+    report = run_gemm(threads, rows, f"onpolicy bench gemm --threads {args.threads} --rows {args.rows}")
+    if args.json:
+        emit_json(report.to_dict())
+    else:
+        _print(report)
+    return 0
+
+
+def _print(report: Report) -> None:
+    """The table, without the per-record numbers (JSON only)."""
+    records = report.details.pop("records")
     report.print_table()
-    report.details["records"] = records  # every number, for the JSON only
+    report.details["records"] = records
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m onpolicy.bench.gemm", description=__doc__.split("\n\n")[0])
+    _options(p)
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this path")
+    args = p.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    rows = tuple(int(m) for m in args.rows.split(","))
+    report = run_gemm(threads, rows, f"python -m onpolicy.bench.gemm --threads {args.threads} --rows {args.rows}")
+    _print(report)
     if args.json:
         args.json.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
 

@@ -1,15 +1,17 @@
-"""Our rollout engine's throughput (generate with the KV cache; decode-only rate) and the logdiff of
-its sampled logprobs against the training path, beside transformers' cached-vs-full logdiff."""
+"""Rollout measurements every suite shares: equally long random prompts, our engine sized to hold a
+batch, the wall time of a greedy ``generate`` on any engine of the rollout interface, our decode-only
+rate, and the max |logdiff| of an engine's sampled logprobs against our training path."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from onpolicy.models.checkpoint import LoadedModel
-from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
 from .common import median_time
@@ -32,7 +34,12 @@ def engine_for(lm: LoadedModel, batch: int, tokens_per_seq: int) -> RolloutEngin
 
 def generate_seconds(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
     """Median wall time of greedy generation of exactly ``new_tokens`` per prompt (prefill included)."""
-    engine = engine_for(lm, len(prompts), len(prompts[0]) + new_tokens)
+    return engine_seconds(engine_for(lm, len(prompts), len(prompts[0]) + new_tokens), prompts, new_tokens, repeats)
+
+
+def engine_seconds(engine: Any, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """Median wall time of ``engine.generate`` (any engine of the rollout interface) producing exactly
+    ``new_tokens`` per prompt, greedy, EOS ignored, prefill included; after a 2-token warm-up."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
     return median_time(lambda: engine.generate(prompts, params), repeats, warm=lambda: engine.generate(prompts, warm))
@@ -58,10 +65,21 @@ def decode_tokens_per_s(lm: LoadedModel, prompts: list[list[int]], steps: int, r
 
 
 def our_logdiff(lm: LoadedModel, prompts: list[list[int]], new_tokens: int) -> float:
-    """max |rollout logprob - training-path logprob| over sampled (temperature 1) tokens."""
-    engine = engine_for(lm, len(prompts), len(prompts[0]) + new_tokens)
+    """max |rollout logprob - training-path logprob| of our engine over sampled (temperature 1) tokens."""
+    return sampled_logdiff(engine_for(lm, len(prompts), len(prompts[0]) + new_tokens), lm, prompts, new_tokens)
+
+
+def sampled_logdiff(engine: Any, trainer_lm: LoadedModel, prompts: list[list[int]], new_tokens: int) -> float:
+    """max |rollout logprob - training-path logprob| over ``new_tokens`` tokens per prompt that
+    ``engine`` samples at temperature 1; the training path is ``trainer_lm``'s ``sequence_logprobs``."""
     comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True))
+    return completions_logdiff(trainer_lm, comps)
+
+
+def completions_logdiff(trainer_lm: LoadedModel, comps: list[Completion]) -> float:
+    """max |logprob - training-path logprob| over every token of ``comps``."""
     with torch.no_grad():
-        trainer = sequence_logprobs(lm.model, [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature)
-                                               for c in comps])
-    return max(float((torch.tensor(c.logprobs) - t).abs().max()) for c, t in zip(comps, trainer, strict=True))
+        trainer = sequence_logprobs(trainer_lm.model, [ScoredSequence(c.prompt_ids, c.token_ids, c.temperature)
+                                                       for c in comps])
+    return max(float((torch.tensor(c.logprobs, dtype=torch.float32) - t).abs().max())
+               for c, t in zip(comps, trainer, strict=True))

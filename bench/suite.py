@@ -1,9 +1,10 @@
-"""The benchmark suites behind ``onpolicy bench {overhead,vs-hf,roofline,rl-step,all}``: what each
+"""The benchmark suites behind ``onpolicy bench {vs-vllm,vs-hf,roofline,rl-step,all}``: what each
 measures, at which sizes (``Setup``: full or ``--quick``), on models loaded once per run
-(``Workbench``). Every ratio is measured side by side in the same process, one after the other."""
+(``Workbench``). Every ratio is measured side by side in one run, the engines alternating."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -16,12 +17,12 @@ from onpolicy.kernels.config import dtype_of
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.models.registry import load_model
 
-from . import hf, roofline
-from .common import Report, Result, log
-from .rollout import decode_tokens_per_s, generate_seconds, our_logdiff, prompts_for
+from . import hf, roofline, vs_vllm
+from .common import Report, Result, alternating, log
+from .rollout import decode_tokens_per_s, generate_seconds, our_logdiff, prompts_for, sampled_logdiff
 from .trainer import grpo_samples, rl_step_times, train_seconds
 
-SUITES = ("overhead", "vs-hf", "roofline", "rl-step")
+SUITES = ("vs-vllm", "vs-hf", "roofline", "rl-step")
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,18 @@ class Setup:
     rl_batch: int = 4
     rl_new_tokens: int = 32
     bandwidth_mib: int = 512
+    vllm_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    vllm_batches: tuple[int, ...] = (1, 8, 32, 64)
+    vllm_rounds: int = 3
+    """vs-vllm's own sizes (``--dtype``, ``--batches`` and ``--rounds`` set them with the others')."""
+    vllm_eager: bool = False
+    """vLLM without ``torch.compile``: starts in seconds instead of minutes (``--quick`` sets it)."""
 
     @staticmethod
     def quick() -> Setup:
         return Setup(dtypes=("fp32",), batches=(1, 32), prompt_len=32, new_tokens=16, train_batch=4, train_len=64,
-                     decode_tokens=8, logdiff_tokens=8, rl_batch=4, rl_new_tokens=8, bandwidth_mib=256)
+                     decode_tokens=8, logdiff_tokens=8, rl_batch=4, rl_new_tokens=8, bandwidth_mib=256,
+                     vllm_batches=(1, 32), vllm_eager=True)
 
     def with_(self, **changes: object) -> Setup:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -60,7 +68,7 @@ class Setup:
 
 class Workbench:
     """One model, loaded once per (backend, dtype), its transformers twin per dtype, and measurements
-    that two suites share (``all`` times the consistent rollout once for overhead and vs-hf)."""
+    that suites share."""
 
     def __init__(self, model: str, setup: Setup) -> None:
         self.model, self.setup = model, setup
@@ -89,7 +97,7 @@ class Workbench:
 
     # ------------------------------------------------------------------ shared measurements
     def rollout_tps(self, engine: str, dtype: str, batch: int) -> float:
-        """Tokens/s of ``engine`` (reference | fast | hf) generating ``new_tokens`` for ``batch`` prompts.
+        """Tokens/s of ``engine`` (reference | hf) generating ``new_tokens`` for ``batch`` prompts.
         Every engine of ``self.engines`` is measured at once, back to back, so their ratios see the
         same machine load."""
         s = self.setup
@@ -122,25 +130,48 @@ class Workbench:
     def _side_by_side(self, key: tuple[object, ...], engine: str, measure: Callable[[str], float]) -> float:
         if (*key, engine) not in self._memo:
             names = sorted(self.engines | {engine})
-            runs: dict[str, list[float]] = {name: [] for name in names}
-            for _ in range(self.setup.rounds):
-                for name in names:
-                    runs[name].append(measure(name))
+            runs = alternating({name: lambda name=name: measure(name) for name in names}, self.setup.rounds)
             for name in names:
                 self._memo[(*key, name)] = statistics.median(runs[name])
         return self._memo[(*key, engine)]
 
 
 # ---------------------------------------------------------------------- suites
-def overhead(wb: Workbench, report: Report) -> None:
-    """Consistent vs fast kernels, same engine, same model: rollout per batch size, trainer fwd+bwd."""
-    for dtype in wb.setup.dtypes:
-        for bs in wb.setup.batches:
-            report.results.append(Result(f"overhead/rollout/bs{bs}/{dtype}", wb.rollout_tps("reference", dtype, bs),
-                                         wb.rollout_tps("fast", dtype, bs), "tokens/s", "consistent / fast"))
-            log(f"overhead/rollout/bs{bs}/{dtype} done")
-        report.results.append(Result(f"overhead/trainer/{dtype}", wb.train_tps("reference", dtype),
-                                     wb.train_tps("fast", dtype), "tokens/s", "consistent / fast, fwd+bwd"))
+def vs_vllm_suite(wb: Workbench, report: Report) -> None:
+    """Our engine (consistent kernels) vs vLLM's CPU engine as shipped (``bench/vs_vllm.py``): rollout
+    tokens/s per batch size and dtype in alternating rounds (medians), and both engines' max
+    |logdiff| against our trainer. Reported as skipped, with the reason, where vLLM cannot run."""
+    s = wb.setup
+    reason = vs_vllm.unavailable(wb.lm("reference", s.vllm_dtypes[0]))
+    if reason:
+        report.details.setdefault("skipped", {})["vs-vllm"] = reason
+        log(f"vs-vllm skipped: {reason}")
+        return
+    info: dict[str, object] = {"loadavg_before": list(os.getloadavg())}
+    rounds: dict[str, dict[str, list[float]]] = {}
+    logdiffs: dict[str, dict[str, float]] = {}
+    tokens_per_seq = s.prompt_len + max(s.new_tokens, s.logdiff_tokens)
+    for dtype in s.vllm_dtypes:
+        lm = wb.lm("reference", dtype)
+        engine = vs_vllm.StockVllm(wb.model, lm, dtype, max(s.vllm_batches), tokens_per_seq, eager=s.vllm_eager)
+        try:
+            info["vllm"] = engine.info()
+            for bs in s.vllm_batches:
+                prompts = prompts_for(bs, s.prompt_len, wb.vocab())
+                runs = vs_vllm.rounds_tokens_per_s(lm, engine, prompts, s.new_tokens, s.repeats, s.vllm_rounds)
+                rounds[f"bs{bs}/{dtype}"] = runs
+                med = vs_vllm.medians(runs)
+                report.results.append(Result(f"vs-vllm/rollout/bs{bs}/{dtype}", med["ours"], med["vllm"], "tokens/s",
+                                             "consistent / vLLM CPU (its own kernels), median of alternating rounds"))
+                log(f"vs-vllm/rollout/bs{bs}/{dtype} done")
+            prompts, n = prompts_for(4, s.prompt_len, wb.vocab(), seed=1), s.logdiff_tokens
+            logdiffs[dtype] = {"ours": our_logdiff(lm, prompts, n), "vllm": sampled_logdiff(engine, lm, prompts, n)}
+        finally:
+            engine.close()
+    info["loadavg_after"] = list(os.getloadavg())
+    report.details["vs_vllm"] = {**info, "max_abs_logdiff": logdiffs, "rounds_tokens_s": rounds,
+                                 "rounds": s.vllm_rounds, "dtypes": list(s.vllm_dtypes),
+                                 "batches": list(s.vllm_batches)}
 
 
 def vs_hf(wb: Workbench, report: Report) -> None:
@@ -174,7 +205,7 @@ def roofline_suite(wb: Workbench, report: Report) -> None:
     for dtype in s.dtypes:
         lm = wb.lm("reference", dtype)
         weight_bytes = roofline.decode_weight_bytes(lm.model)
-        flops = roofline.gemm_flops(dtype_of(dtype), 1024, 5)
+        flops = roofline.gemm_flops(torch.float32, 1024, 5)  # our bf16 kernels widen to fp32 and run fp32 FMAs
         per_token = 2 * roofline.matmul_params(lm.model)
 
         def ours(batch: int, lm: LoadedModel = lm) -> float:
@@ -216,7 +247,7 @@ def rl_step(wb: Workbench, report: Report) -> None:
 
 
 RUNNERS: dict[str, Callable[[Workbench, Report], None]] = {
-    "overhead": overhead, "vs-hf": vs_hf, "roofline": roofline_suite, "rl-step": rl_step}
+    "vs-vllm": vs_vllm_suite, "vs-hf": vs_hf, "roofline": roofline_suite, "rl-step": rl_step}
 
 
 def run_suites(which: str, model: str, setup: Setup, command: str) -> Report:
@@ -224,7 +255,7 @@ def run_suites(which: str, model: str, setup: Setup, command: str) -> Report:
     names = list(SUITES) if which == "all" else [which]
     report = Report(command=command, commands=[command])
     wb = Workbench(model, setup)
-    wb.engines = {"reference"} | ({"fast"} if "overhead" in names else set()) | ({"hf"} if "vs-hf" in names else set())
+    wb.engines = {"reference"} | ({"hf"} if "vs-hf" in names else set())
     t0 = time.perf_counter()
     for name in names:
         RUNNERS[name](wb, report)

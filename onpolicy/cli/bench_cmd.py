@@ -1,6 +1,6 @@
 """``onpolicy bench``: benchmarks printed as a table for people, or JSON for machines.
 
-``bench {overhead,vs-hf,roofline,rl-step,all}`` are the suites of ``onpolicy.bench.suite`` and share
+``bench {vs-vllm,vs-hf,roofline,rl-step,all}`` are the suites of ``onpolicy.bench.suite`` and share
 the options below. Another benchmark adds its own subcommand: a function ``add_parser(benches)`` that
 calls ``benches.add_parser(NAME, ...)`` and sets ``func``, listed in ``_OTHER_BENCHES``.
 """
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from onpolicy.bench.suite import Setup
 
 _SUITE_HELP = {
-    "overhead": "consistent vs fast kernels, same engine: rollout tokens/s per batch size, trainer fwd+bwd",
+    "vs-vllm": "our rollout (consistent) vs vLLM's CPU engine (its own kernels): tokens/s per batch size, "
+               "both engines' logdiff against our trainer (skipped with the reason where vLLM cannot run)",
     "vs-hf": "our rollout vs transformers generate; our trainer fwd+bwd vs transformers'",
     "roofline": "measured bandwidth and GEMM peak, the decode bounds they imply, our fraction of them",
     "rl-step": "one GRPO step with vs without the old-logprob recompute pass",
@@ -38,8 +39,14 @@ def _load(benches: argparse._SubParsersAction) -> None:
     add(benches)
 
 
+def _gemm(benches: argparse._SubParsersAction) -> None:
+    from onpolicy.bench.gemm import add_parser as add
+
+    add(benches)
+
+
 #: ``add_parser(benches)`` of the benchmarks that live in their own modules.
-_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_reductions, _load]
+_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_reductions, _load, _gemm]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,16 +55,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for name, text in _SUITE_HELP.items():
         b = benches.add_parser(name, help=text, description=text)
         b.add_argument("--model", default="smollm2", help="smollm2 (default) | tiny-llama | ... | PATH")
-        b.add_argument("--quick", action="store_true", help="small sizes, fp32 only (a smoke run, minutes)")
+        b.add_argument("--quick", action="store_true",
+                       help="small sizes, fp32 only (vs-vllm: fp32 and bf16) (a smoke run, minutes)")
         b.add_argument("--json", action="store_true", help="JSON for machines instead of the table")
-        b.add_argument("--dtype", choices=["fp32", "bf16", "both"], help="default: both (--quick: fp32)")
-        b.add_argument("--batches", help="comma-separated rollout batch sizes (default 1,8,32; --quick 1,32)")
+        b.add_argument("--dtype", choices=["fp32", "bf16", "both"],
+                       help="default: both (--quick: fp32, but vs-vllm both)")
+        b.add_argument("--batches", help="comma-separated rollout batch sizes (default 1,8,32, vs-vllm 1,8,32,64; "
+                       "--quick 1,32)")
         b.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick 32)")
         b.add_argument("--new-tokens", type=int, help="generated tokens per sequence (default 128; --quick 16)")
         b.add_argument("--repeats", type=int, help="timed rollout runs after a warm-up, median reported (default 1)")
         b.add_argument("--rounds", type=int, help="side-by-side measurements alternate the engines (roofline: "
                        "the bandwidth and the batch-1 decode) this many times; medians are reported (roofline: the "
-                       "median round) (default 1; 3 on a noisy machine)")
+                       "median round) (default 1, vs-vllm 3; 3 on a noisy machine)")
+        if name in ("vs-vllm", "all"):
+            b.add_argument("--vllm-eager", action="store_true",
+                           help="vLLM without torch.compile (vLLM's default): starts in seconds, not minutes "
+                           "(--quick implies it)")
         b.set_defaults(func=run_suite)
     for add in _OTHER_BENCHES:
         add(benches)
@@ -69,7 +83,7 @@ def _setup(args: argparse.Namespace) -> Setup:
     setup = Setup.quick() if args.quick else Setup()
     changes: dict[str, object] = {}
     if args.dtype:
-        changes["dtypes"] = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
+        changes["dtypes"] = changes["vllm_dtypes"] = ("fp32", "bf16") if args.dtype == "both" else (args.dtype,)
     if args.batches:
         try:
             changes["batches"] = tuple(int(b) for b in args.batches.split(",") if b)
@@ -77,12 +91,17 @@ def _setup(args: argparse.Namespace) -> Setup:
             fail("--batches must be comma-separated integers")
         if not changes["batches"] or min(changes["batches"]) < 1:  # type: ignore[call-overload]
             fail("--batches must be comma-separated integers >= 1")
+        changes["vllm_batches"] = changes["batches"]
     for opt in ("prompt_len", "new_tokens", "repeats", "rounds"):
         value = getattr(args, opt)
         if value is not None:
             if value < 1:
                 fail(f"--{opt.replace('_', '-')} must be >= 1")
             changes[opt] = value
+    if "rounds" in changes:
+        changes["vllm_rounds"] = changes["rounds"]
+    if getattr(args, "vllm_eager", False):
+        changes["vllm_eager"] = True
     return setup.with_(**changes)
 
 
