@@ -25,7 +25,7 @@ from onpolicy.services.jobs.records import JobState
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "resume-test-token-5f1c9a7e"
-STEPS = 4
+STEPS = 5  # the last kill (after step 3) must meet a step that still calls the killed service
 
 
 def spec():
