@@ -10,8 +10,8 @@ seeds and steps:
   importance weight truncated (``correction: {mode: tis}``).
 
 Every step's event (reward, eval accuracy, K3 KL, max and mean |logdiff|, grad norm, clip fraction,
-entropy, …) is written as JSON to ``OUT/mismatch-<arm>.json`` when the arm ends, and the arms'
-curves are drawn into ``OUT/mismatch.png``. Run by hand (not in CI)::
+entropy, …) is written as JSON to ``RESULTS/mismatch-<date>-<arm>.json`` when the arm ends, and the
+arms' curves are drawn into ``OUT/mismatch.png``. Run by hand (not in CI)::
 
     .venv/bin/python -m onpolicy.bench.experiment_mismatch --steps 20 --out docs/experiments
 """
@@ -129,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
-    p.add_argument("--out", default="docs/experiments")
+    p.add_argument("--out", default="docs/experiments", help="where the plot goes")
+    p.add_argument("--results", default="bench/results", help="where the raw JSON goes")
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         p.error(f"unknown arms {unknown}; arms are {list(ARMS)}")
-    out = Path(args.out)
+    out, results_dir = Path(args.out), Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d")
     from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
 
     init_ray()
@@ -148,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 spec = merge(base_spec(args.model, args.steps, args.dtype, args.seed, args.lr), ARMS[arm])
                 results[arm] = run_arm(arm, spec, Path(tmp))
                 record = {"arm": arm, "spec": spec, "seconds": time.time() - t0, "events": results[arm]}
-                (out / f"mismatch-{arm}.json").write_text(json.dumps(record, indent=1))
+                (results_dir / f"mismatch-{stamp}-{arm}.json").write_text(json.dumps(record, indent=1))
     finally:
         shutdown_ray()
-    done = {a: json.loads((out / f"mismatch-{a}.json").read_text())["events"] for a in ARMS
-            if (out / f"mismatch-{a}.json").is_file()}
+    done = {a: json.loads((results_dir / f"mismatch-{stamp}-{a}.json").read_text())["events"] for a in ARMS
+            if (results_dir / f"mismatch-{stamp}-{a}.json").is_file()}
     png = plot(done, out / "mismatch.png", f"{args.model} {args.dtype}, GRPO on arithmetic, seed {args.seed}")
     print(png)
     return 0
