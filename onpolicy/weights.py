@@ -42,10 +42,11 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one; the
+    file is 0600 and a directory made for it 0700 (weights, checkpoints and job state are private)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

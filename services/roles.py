@@ -20,11 +20,18 @@ class RoleOptions:
     kv_tile: int = 64
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
+    speculative: str = "none"
+    """Rollout: speculative decoding, ``none`` or ``ngram`` (``onpolicy.rollout.speculative``)."""
+    num_speculative_tokens: int = 4
+    """Rollout: most drafted tokens per request and decode step."""
     weights_fingerprint_backend: str = "reference"
     """Backend of the trainer whose weight versions this service accepts (differs from ``backend``
     only for a deliberately mismatched rollout, e.g. fast kernels to exercise the verifier)."""
     job: str = ""
     """Job the service runs for: the ``job`` label of its metrics ("" for a shared service)."""
+    job_dir: str = ""
+    """Trainer: the job's own directory, the only place its RPCs may name ("" = not confined;
+    ``services.trainer.confine``)."""
     verifier_max_samples_per_second: float = 0.0
     """Verifier: per-job cap on samples verified per second (0 = no cap)."""
     verifier_queue_samples: int = 1024
@@ -81,12 +88,14 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
 
     if role == "rollout":
         from onpolicy.rollout import EngineConfig
+        from onpolicy.rollout.speculative import SpeculativeConfig
 
         from .rollout.service import build_rollout_service
 
+        spec = SpeculativeConfig(method=opts.speculative, num_tokens=opts.num_speculative_tokens)
         servicer = build_rollout_service(opts.model, opts.kernel_config,
                                          EngineConfig(max_num_seqs=opts.max_num_seqs,
-                                                      max_batched_tokens=opts.max_batched_tokens),
+                                                      max_batched_tokens=opts.max_batched_tokens, speculative=spec),
                                          weights_fingerprint=opts.weights_fingerprint, engine=opts.engine,
                                          tp=opts.rollout_tp, ep=opts.rollout_ep, peer_npus=opts.rollout_npus,
                                          peer_name=f"onpolicy-{opts.job}-rollout" if opts.job else "")
@@ -96,7 +105,8 @@ def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
 
         servicer = build_trainer_service(opts.model, opts.kernel_config, data_parallel=opts.trainer_dp,
                                          tp=opts.trainer_tp, ep=opts.trainer_ep, peer_npus=opts.trainer_dp_npus,
-                                         peer_name=f"onpolicy-{opts.job}-trainer" if opts.job else "")
+                                         peer_name=f"onpolicy-{opts.job}-trainer" if opts.job else "",
+                                         job_dir=opts.job_dir, job_id=opts.job)
         return servicer, api.trainer_pb2_grpc.add_TrainerServiceServicer_to_server
     if role == "verifier":
         from .verifier.service import build_verifier_service

@@ -45,8 +45,14 @@ def _gemm(benches: argparse._SubParsersAction) -> None:
     add(benches)
 
 
+def _speculative(benches: argparse._SubParsersAction) -> None:
+    from onpolicy.bench.speculative import add_parser as add
+
+    add(benches)
+
+
 #: ``add_parser(benches)`` of the benchmarks that live in their own modules.
-_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_reductions, _load, _gemm]
+_OTHER_BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [_reductions, _load, _gemm, _speculative]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,18 +22,26 @@ def fail(message: str) -> NoReturn:
     raise UsageError(message)
 
 
-def read_file_arg(path: str, flag: str = "") -> bytes:
-    """The bytes of the file a flag (or argument) names; exit 2 with one line if it is missing, not a
-    regular file or unreadable."""
+#: The largest file a flag or argument may name (tokens, certificates, samples: far smaller).
+MAX_FILE_ARG_BYTES = 256 << 20
+
+
+def read_file_arg(path: str, flag: str = "", max_bytes: int = MAX_FILE_ARG_BYTES) -> bytes:
+    """The bytes of the file a flag (or argument) names, read at most ``max_bytes``; exit 2 with one
+    line if it is missing, not a regular file, larger, or unreadable."""
     p, where = Path(path), f"{flag} {path}" if flag else path
     if not p.exists():
         fail(f"{where}: no such file")
     if not p.is_file():
         fail(f"{where}: not a regular file")
     try:
-        return p.read_bytes()
+        with open(p, "rb") as f:
+            data = f.read(max_bytes + 1)
     except OSError as e:
         fail(f"{where}: unreadable ({e.strerror or e})")
+    if len(data) > max_bytes:
+        fail(f"{where}: larger than {max_bytes >> 20} MiB")
+    return data
 
 
 def add_model_args(p: argparse.ArgumentParser, *, kernels: bool = True) -> None:
@@ -73,6 +81,8 @@ def read_json(path: str, flag: str = "") -> Any:
         return json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         fail(f"{path}: not valid JSON ({e})")
+    except RecursionError:
+        fail(f"{path}: not valid JSON (nested too deeply)")
 
 
 def emit_json(obj: Any) -> None:

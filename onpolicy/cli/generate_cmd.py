@@ -26,6 +26,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch (default 32)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="token rows per step (default 2048)")
     p.add_argument("--prefix-cache", choices=["on", "off"], default="on")
+    p.add_argument("--speculative", choices=["none", "ngram"], default="none",
+                   help="ngram: speculative decoding with prompt-lookup drafts (engine onpolicy; the same tokens "
+                        "and logprob bits as none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most drafted tokens per request and decode step (default 4)")
 
 
 def add_truncation_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -67,12 +72,21 @@ def engine_config(args: argparse.Namespace, need_tokens: int | None = None) -> E
     """Engine options from the command line; the KV cache is sized to what the requests can use
     (at most the engine default), so a small job does not allocate the whole budget."""
     from onpolicy.rollout import EngineConfig
+    from onpolicy.rollout.speculative import NONE, SpeculativeConfig
 
+    speculative = getattr(args, "speculative", NONE)
+    if speculative != NONE and args.engine != OWN_ENGINE:
+        fail(f"--speculative {speculative}: needs --engine {OWN_ENGINE} (engine {args.engine} has no invariant "
+             "speculative decoding)")
+    try:
+        spec = SpeculativeConfig(method=speculative, num_tokens=getattr(args, "num_speculative_tokens", 4))
+    except ValueError as e:
+        fail(f"--{str(e).split()[0].replace('_', '-')}: {e}")
     try:
         cap = EngineConfig().kv_cache_tokens
         tokens = cap if need_tokens is None else max(64, min(cap, need_tokens))
         return EngineConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                            prefix_cache=args.prefix_cache == "on", kv_cache_tokens=tokens)
+                            prefix_cache=args.prefix_cache == "on", kv_cache_tokens=tokens, speculative=spec)
     except ValueError as e:
         fail(str(e))
 
@@ -161,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
         if stats.seconds - last[0] >= 1.0 or done == total:
             last[0] = stats.seconds
             rate = stats.tokens_generated / stats.seconds if stats.seconds else 0.0
-            print(f"\r{done}/{total} completions, {stats.tokens_generated} tokens, {rate:.1f} tokens/s",
+            spec = (f", {stats.spec_accepted}/{stats.spec_drafted} drafted tokens accepted"
+                    if stats.spec_drafted else "")
+            print(f"\r{done}/{total} completions, {stats.tokens_generated} tokens, {rate:.1f} tokens/s{spec}",
                   end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     try:
@@ -170,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
         fail(str(e))
     decode = lm.tokenizer.decode if lm.tokenizer is not None else None
     if args.json:
+        stats = engine.stats()
         emit_json({"model": lm.name, "kernel_fingerprint": config.fingerprint, "weight_sha256": lm.weights_sha256,
+                   **({"speculative": {"method": args.speculative, "drafted": stats.spec_drafted,
+                                       "accepted": stats.spec_accepted}} if args.speculative != "none" else {}),
                    "completions": [{"prompt_index": c.prompt_index, "sample_index": c.sample_index,
                                     "prompt_ids": list(c.prompt_ids), "token_ids": list(c.token_ids),
                                     "logprobs": list(c.logprobs), "temperature": c.temperature,

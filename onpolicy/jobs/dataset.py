@@ -3,7 +3,9 @@
 
 ``load_splits`` reads a job's training problems and its eval problems (empty without an eval split).
 The prompt and answer are the record fields the spec names (``prompt_field``, ``answer_field``);
-answers are kept as text. Nothing here downloads: an ``hf`` dataset is a ``save_to_disk`` directory
+answers are kept as text. A JSONL file is streamed a line at a time, each line at most
+``MAX_JSONL_LINE_BYTES``, so a huge or sparse file is refused at its first long line rather than read
+whole. Nothing here downloads: an ``hf`` dataset is a ``save_to_disk`` directory
 or a hub dataset already in the local Hugging Face cache, read with ``HF_DATASETS_OFFLINE``.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,20 +87,40 @@ def _file(path: str) -> Path:
     return p
 
 
+#: The longest JSONL record accepted (a longer line is refused, never read whole into memory).
+MAX_JSONL_LINE_BYTES = 4 << 20
+
+
+def _jsonl_lines(path: str, p: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line, read one bounded line at a time."""
+    try:
+        with open(p, "rb") as f:
+            n = 0
+            while line := f.readline(MAX_JSONL_LINE_BYTES + 1):
+                n += 1
+                if len(line) > MAX_JSONL_LINE_BYTES:
+                    raise DatasetError(f"dataset {path}:{n}: line longer than {MAX_JSONL_LINE_BYTES >> 20} MiB")
+                try:
+                    yield n, line.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DatasetError(f"dataset {path}:{n}: not UTF-8 text") from None
+    except OSError as e:
+        raise DatasetError(f"dataset {path}: unreadable ({e.strerror or e})") from None
+
+
 def read_jsonl(path: str, spec: DatasetSpec) -> list[Problem]:
+    """One problem per non-blank line, streamed (each line at most ``MAX_JSONL_LINE_BYTES``)."""
     p = _file(path)
     out = []
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"dataset {path}: unreadable ({e})") from None
-    for n, line in enumerate(lines, 1):
+    for n, line in _jsonl_lines(path, p):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(f"dataset {path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise DatasetError(f"dataset {path}:{n}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise DatasetError(f"dataset {path}:{n}: expected a JSON object")
         out.append(_problem(obj, spec, f"dataset {path}:{n}"))

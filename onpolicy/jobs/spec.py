@@ -11,7 +11,6 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
@@ -212,6 +211,19 @@ class RolloutSpec(_Strict):
     """Keep the ``top_k`` most likely tokens (0 = off)."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     """Keep tokens at least ``min_p`` times as likely as the most likely one (0 = off)."""
+    speculative: Literal["none", "ngram"] = "none"
+    """``ngram``: speculative decoding with prompt-lookup drafts, verified in one forward; the same
+    tokens and logprob bits as ``none`` (``onpolicy.rollout.speculative``). Engine ``onpolicy`` only."""
+    num_speculative_tokens: int = Field(4, ge=1, le=64)
+    """Most drafted tokens per request and decode step (``speculative: ngram``)."""
+
+    @model_validator(mode="after")
+    def _speculative_on_own_engine(self) -> RolloutSpec:
+        if self.speculative != "none" and self.engine != "onpolicy":
+            raise field_error("RolloutSpec", ("speculative",), f"speculative {self.speculative} needs engine "
+                              f"onpolicy (engine {self.engine} has no invariant speculative decoding)",
+                              self.speculative)
+        return self
 
 
 class CheckpointSpec(_Strict):
@@ -428,10 +440,33 @@ def _message(err: Any) -> str:
     return f"unknown field {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
+def _nul_fields(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The fields of ``data`` (nested mappings and lists walked, without recursion) whose text or
+    key holds a NUL character."""
+    bad: list[tuple[str, str]] = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, str) and "\x00" in value:
+            bad.append((_field_path(loc), "must not contain NUL characters"))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str) and "\x00" in k:
+                    bad.append((_field_path(loc), "field names must not contain NUL characters"))
+                else:
+                    stack.append(((*loc, k), v))
+        elif isinstance(value, list | tuple):
+            stack.extend(((*loc, i), v) for i, v in enumerate(value))
+    return sorted(bad)
+
+
 def parse_spec(data: Any) -> JobSpec:
-    """Validate a dict into a ``JobSpec``; raises ``SpecError`` naming every bad field."""
+    """Validate a dict into a ``JobSpec``; raises ``SpecError`` naming every bad field (text with a
+    NUL character included)."""
     if not isinstance(data, dict):
         raise SpecError([("spec", "a job spec must be a mapping of fields")])
+    if bad := _nul_fields(data):
+        raise SpecError(bad)
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
@@ -439,18 +474,8 @@ def parse_spec(data: Any) -> JobSpec:
 
 
 def load_spec_file(path: str | Path) -> JobSpec:
-    p = Path(path)
-    if not p.is_file():
-        raise SpecError([("file", f"{path}: no such file")])
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or e.__class__.__name__
-        raise SpecError([("file", f"{path}: not valid YAML{where}: {problem}")]) from None
-    except UnicodeDecodeError:
-        raise SpecError([("file", f"{path}: not UTF-8 text")]) from None
-    except OSError as e:
-        raise SpecError([("file", f"{path}: unreadable ({e.strerror or e})")]) from None
-    return parse_spec(data)
+    """The validated spec in the YAML file at ``path``, read with bounds (``onpolicy.jobs.spec_file``:
+    size, nesting, duplicate keys); ``SpecError`` on ``file`` for a file that is not a spec."""
+    from .spec_file import load_spec_file as load
+
+    return load(path)

@@ -20,7 +20,7 @@ from onpolicy.parallel.layout import ModelParallel
 
 from .causal_lm import CausalLM, resolve_tied_head
 from .chat_template import ChatTemplateError, read_chat_template, read_tokenizer_config, special_tokens
-from .config import ModelConfig
+from .config import ModelConfig, read_config_json
 from .sharding import shard_state_dict
 from .tokenizer import Tokenizer
 
@@ -62,7 +62,10 @@ def read_hf_dir(path: Path) -> tuple[dict, dict[str, Tensor]]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json")
-    config = json.loads(cfg_file.read_text())
+    try:
+        config = read_config_json(cfg_file)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

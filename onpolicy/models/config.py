@@ -7,17 +7,40 @@ family's transformers config class (Qwen3's ``head_dim`` 128, Qwen3-MoE's ``norm
 wins over a top-level one. A field whose value the model code does not reproduce is refused with a
 one-line ``ValueError`` naming it: sliding-window attention that would take effect, a RoPE type
 other than default/linear/llama3, a partial rotary dimension, an activation other than SiLU, MLP
-biases, RoPE parameters per layer type, quantized weights. Dropout rates are accepted and never
+biases, RoPE parameters per layer type, quantized weights. ``read_config_json`` reads a
+``config.json`` with a size bound. Dropout rates are accepted and never
 applied: every forward, the trainer's included, is the eval-mode one the rollout computes.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from onpolicy.kernels.selftest import ProbeShapes
+
+#: The largest ``config.json`` read (real ones are a few KiB): a larger file is refused unread.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in the ``config.json`` at ``path``, read at most ``MAX_CONFIG_BYTES``;
+    ``ValueError`` (one line naming the file) when it is larger, not UTF-8 JSON or not an object."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, not a model config")
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not a JSON model config ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return cfg
+
 
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 _FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}

@@ -1,17 +1,16 @@
-"""A tensor/expert-parallel rollout engine spread over Ray actors: ``MirroredRolloutEngine``.
+"""A tensor/expert-parallel rollout engine spread over peer ranks: ``MirroredRolloutEngine``.
 
 The rollout service's engine is rank 0 of ``world = lcm(tp, ep)`` ranks (``Layout``): it starts
-``world - 1`` peer Ray actors (``RolloutPeer``), each loading the full model and keeping its own
-shard (``shard_model``), all joined in one gloo world on loopback (``init_loopback``). Every call
-that changes engine state — ``add_request``, ``abort``, ``step``, ``update_weights`` — is mirrored
-to every peer in the order rank 0 makes it (Ray runs one caller's calls to an actor in submission
-order), so every rank runs the same scheduler on the same requests and the collectives inside the
-model forward keep the ranks in lockstep (the SPMD run of ``onpolicy.parallel.check``, here driven
-call by call). Rank 0 validates first (a refused prompt or weight file never reaches the peers) and
-only its results are used; the peers' answers are awaited after each step and weight update, so a
-failed or dead peer surfaces as ``PeerFailed`` naming its rank, after which every peer is killed
-(the engine is then unusable). Peers are owned by the process that started them, so Ray also kills
-them when that process (the rollout service's actor) dies: no orphan ranks.
+``world - 1`` peers (``RolloutPeer``) with the ``PeerLauncher`` it is given (the runtime's starts
+Ray actors: ``onpolicy.services.cluster.peers.ray_peers``), each loading the full model and keeping
+its own shard (``shard_model``), all joined in one gloo world on loopback (``init_loopback``). Every
+call that changes engine state — ``add_request``, ``abort``, ``step``, ``update_weights`` — is
+mirrored to every peer in the order rank 0 makes it, so every rank runs the same scheduler on the
+same requests and the collectives inside the model forward keep the ranks in lockstep (the SPMD run
+of ``onpolicy.parallel.check``, here driven call by call). Rank 0 validates first (a refused prompt
+or weight file never reaches the peers) and only its results are used; the peers' answers are
+awaited after each step and weight update, so a failed or dead peer surfaces as ``PeerFailed``
+naming its rank, after which every peer is killed (the engine is then unusable).
 """
 
 from __future__ import annotations
@@ -28,11 +27,12 @@ from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingPa
 
 from .groups import DEFAULT_TIMEOUT_S
 from .layout import Layout
-from .peers import Loader, sharded_peer_model, start_sharded
+from .peers import Loader, PeerLauncher, sharded_peer_model, start_sharded
 
 
 class RolloutPeer:
-    """Body of a peer rank's Ray actor: a ``RolloutEngine`` on this rank's shard, driven by rank 0."""
+    """Body of a peer rank (a Ray actor under the runtime's launcher): a ``RolloutEngine`` on this
+    rank's shard, driven by rank 0."""
 
     def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
                  config: EngineConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
@@ -58,20 +58,20 @@ class RolloutPeer:
 class MirroredRolloutEngine(RolloutEngine):
     """Rank 0 of a ``tp`` x ``ep`` rollout (``world = lcm(tp, ep)`` ranks) over the full model ``lm``
     (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
-    uncertified). Peers are Ray actors on the current cluster started with ``peer_options`` (default
+    uncertified). Peers are started by ``launch`` with ``peer_options`` (default
     ``{"num_cpus": threads}``), named ``{peer_name}-{random}-rank{r}`` when ``peer_name`` is given.
     ``close()`` (or ``with``) ends them. ``weights_sha256`` names the full weights being served, as
     an unsharded engine's would."""
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *, tp: int = 1, ep: int = 1,
-                 model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 peer_name: str = "") -> None:
+                 launch: PeerLauncher, model_ref: str, loader: Loader | None = None,
+                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, peer_name: str = "") -> None:
         self.world = math.lcm(tp, ep)
         self.timeout_s = timeout_s
         self.weights_sha256 = lm.weights_sha256
         self.peers, shard = start_sharded(
-            "rollout", RolloutPeer, lm, tp, ep, model_ref=model_ref, config=config, loader=loader,
+            "rollout", RolloutPeer, lm, tp, ep, launch=launch, model_ref=model_ref, config=config, loader=loader,
             threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
             peer_name=peer_name)
         try:
@@ -106,11 +106,9 @@ class MirroredRolloutEngine(RolloutEngine):
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Rank 0 loads the full ``state`` first (a refused state changes nothing anywhere), then
-        every peer loads it from one object-store copy and keeps its shard."""
-        import ray
-
+        every peer loads it from one shared copy and keeps its shard."""
         super().update_weights(state, version)
-        self.peers.mirror("update_weights", ray.put(state), version)
+        self.peers.mirror("update_weights", self.peers.share(state), version)
         self.peers.settle()
         dtype = self.lm.model.dtype
         self.weights_sha256 = weights_sha256({k: v.to(dtype) for k, v in state.items()})

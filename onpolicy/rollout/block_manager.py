@@ -91,6 +91,16 @@ class BlockManager:
         while len(seq.block_table) < self.pages_for(num_tokens):
             seq.block_table.append(self._alloc_fresh())
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free ``seq``'s trailing pages beyond ``num_tokens`` positions (rejected drafted tokens):
+        they hold no position that is computed, so they are never in the prefix cache."""
+        keep = self.pages_for(num_tokens)
+        while len(seq.block_table) > keep:
+            page = seq.block_table.pop()
+            self.ref[page] -= 1
+            if self.ref[page] == 0:
+                self.free[page] = None
+
     def register_full_pages(self, seq: Sequence) -> None:
         """Publish ``seq``'s computed full pages in the prefix cache."""
         if not self.prefix_cache:

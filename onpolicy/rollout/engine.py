@@ -1,11 +1,12 @@
 """``RolloutEngine``: requests in, completions out — the step loop joining scheduler, block manager
-and model runner, with weight updates that invalidate the prefix cache."""
+and model runner, with weight updates that invalidate the prefix cache, and (``speculative``) n-gram
+drafts verified in the same forward, rejected ones rolled back (``onpolicy.rollout.speculative``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,9 +15,10 @@ from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 from .block_manager import BlockManager
 from .interface import EngineSnapshot, generate, validate_request
 from .kv_cache import KVCache
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, SampledToken
 from .scheduler import Scheduler
 from .sequence import Completion, SamplingParams, Sequence
+from .speculative import SpeculativeConfig, propose_ngram
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,8 @@ class EngineConfig:
     """KV cache capacity in token positions (fixed memory budget, allocated up front; SmolLM2-135M
     needs 46 KiB per position in fp32, so the default is ~0.75 GiB)."""
     prefix_cache: bool = True
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (default off); the same tokens and logprob bits either way."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batched_tokens", "kv_cache_tokens"):
@@ -44,6 +48,8 @@ class EngineStats:
     tokens_computed: int = 0
     tokens_generated: int = 0
     seconds: float = 0.0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 class RolloutEngine:
@@ -65,7 +71,8 @@ class RolloutEngine:
         kv_heads = getattr(lm.model, "num_local_kv_heads", cfg.num_kv_heads)
         self.cache = KVCache(cfg.num_layers, num_pages, page, kv_heads, cfg.head_dim, lm.model.dtype, lm.model.device)
         self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens)
+        drafter = self._draft if self.config.speculative.enabled else None
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens, drafter)
         self.runner = ModelRunner(lm.model, self.cache)
         self.weight_version = 0
         self.counters = EngineStats()
@@ -86,7 +93,8 @@ class RolloutEngine:
         return EngineSnapshot(steps=c.steps, tokens_computed=c.tokens_computed, tokens_generated=c.tokens_generated,
                               seconds=c.seconds, waiting=len(sched.waiting), running=len(sched.running),
                               kv_usage=used / blocks.num_pages, prefix_cache_hits=blocks.hits,
-                              preemptions=sched.num_preemptions)
+                              preemptions=sched.num_preemptions, spec_drafted=c.spec_drafted,
+                              spec_accepted=c.spec_accepted)
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()
@@ -127,29 +135,54 @@ class RolloutEngine:
         if not out.scheduled:
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         sampled = self.runner.run(out)
-        for s in out.scheduled:
-            s.seq.num_computed = s.start + s.num_tokens
-            self.blocks.register_full_pages(s.seq)
-        done: list[Completion] = []
-        max_pos = self.lm.config.max_position_embeddings
+        emitted: dict[int, list[SampledToken]] = {}
         for tok in sampled:
-            seq = self._seqs[tok.seq_id]
-            seq.tokens.append(tok.token)
-            seq.logprobs.append(tok.logprob)
+            emitted.setdefault(tok.seq_id, []).append(tok)
+        done: list[Completion] = []
+        appended = 0
+        for s in out.scheduled:
+            seq = s.seq
             reason = None
-            if tok.token in seq.stop_ids:
-                reason = "stop"
-            elif len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= max_pos:
-                reason = "length"
+            for tok in emitted.get(seq.seq_id, ()):
+                seq.tokens.append(tok.token)
+                seq.logprobs.append(tok.logprob)
+                appended += 1
+                reason = self._finish_reason(seq, tok.token)
+                if reason:
+                    break
+            if s.draft:  # every position but the last token's now holds the K/V of an emitted token
+                seq.num_computed = len(seq.tokens) - 1
+                self.counters.spec_drafted += len(s.draft)
+                self.counters.spec_accepted += len(emitted[seq.seq_id]) - 1
+            else:
+                seq.num_computed = s.start + s.num_tokens
+            self.blocks.register_full_pages(seq)
             if reason:
                 self.scheduler.finish(seq, reason)
                 done.append(self._completion(seq))
                 del self._seqs[seq.seq_id]
+            elif s.draft:
+                self.blocks.shrink(seq, len(seq.tokens))
         self.counters.steps += 1
         self.counters.tokens_computed += out.num_tokens
-        self.counters.tokens_generated += len(sampled)
+        self.counters.tokens_generated += appended
         self.counters.seconds += time.perf_counter() - t0
         return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= self.lm.config.max_position_embeddings:
+            return "length"
+        return None
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The n-gram draft of a decoding ``seq``, no longer than what it may still emit (the token
+        after the draft is always emitted) nor past the model's last position."""
+        spec = self.config.speculative
+        k = min(spec.num_tokens, seq.params.max_new_tokens - len(seq.generated) - 1,
+                self.lm.config.max_position_embeddings - len(seq.tokens))
+        return propose_ngram(seq.tokens, k, spec.ngram_min, spec.ngram_max)
 
     def _completion(self, seq: Sequence) -> Completion:
         return Completion(prompt_index=seq.prompt_index, sample_index=seq.sample_index, prompt_ids=seq.prompt_ids,

@@ -36,6 +36,10 @@ class EngineSnapshot:
     """KV cache pages held by sequences / all pages (0 where the engine does not say)."""
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    spec_drafted: int = 0
+    """Tokens drafted by speculative decoding (0 where it is off)."""
+    spec_accepted: int = 0
+    """Drafted tokens accepted (each one a decode step saved)."""
 
 
 class Engine(Protocol):

@@ -1,7 +1,9 @@
 """``ModelRunner``: turns a ``SchedulerOutput`` into tensors, runs the model over the paged cache,
 and samples the next token of every request whose chunk reached its end (from its logprobs after
-its top-k / top-p / min-p truncation, which are the logprobs it reports). The only owner of tensors
-in the rollout engine."""
+its top-k / top-p / min-p truncation, which are the logprobs it reports). A request with drafted
+tokens (speculative decoding) is sampled at its last token's row and at every drafted row, each with
+its own step, and keeps the accepted drafts plus the sampler's next token
+(``onpolicy.rollout.speculative``). The only owner of tensors in the rollout engine."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from onpolicy.kernels.truncation import RowTruncation
 from onpolicy.models.causal_lm import CausalLM
 
 from .kv_cache import KVCache, PagedContext
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledSeq, SchedulerOutput
+from .speculative import accept
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
+        """The tokens to append, in order: one per sampled request, or, for a request with a draft,
+        its accepted drafted tokens and then the sampler's next token."""
         device = self.model.device
         page = self.cache.page_size
         ids: list[int] = []
@@ -39,7 +44,8 @@ class ModelRunner:
         positions: list[int] = []
         for s in out.scheduled:
             stop = s.start + s.num_tokens
-            ids.extend(s.seq.tokens[s.start:stop])
+            ids.extend(s.seq.tokens[s.start:stop - len(s.draft)])
+            ids.extend(s.draft)
             positions.extend(range(s.start, stop))
             table = s.seq.block_table
             slots.extend(table[p // page] * page + p % page for p in range(s.start, stop))
@@ -52,19 +58,33 @@ class ModelRunner:
         ctx = PagedContext(self.cache, batch, table, torch.tensor(slots, dtype=torch.int64, device=device))
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
         hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions_t, ctx)
-        sampled = [s for s in out.scheduled if s.samples]
+        ends = [e - 1 for e in itertools.accumulate(q_lens)]
+        sampled = [(s, end) for s, end in zip(out.scheduled, ends, strict=True) if s.samples]
         if not sampled:
             return []
-        ends = [e - 1 for e in itertools.accumulate(q_lens)]
-        rows = torch.tensor([ends[i] for i, s in enumerate(out.scheduled) if s.samples], dtype=torch.int64,
-                            device=device)
-        temps = torch.tensor([s.seq.params.logprob_temperature for s in sampled], dtype=torch.float32, device=device)
-        trunc = RowTruncation.of([s.seq.params.truncation for s in sampled], device)
+        # one row per sampled position: the last token's row, then each drafted row (step + j)
+        rows_of = [(s, end - len(s.draft) + j, j) for s, end in sampled for j in range(len(s.draft) + 1)]
+        params = [s.seq.params for s, _, _ in rows_of]
+        rows = torch.tensor([r for _, r, _ in rows_of], dtype=torch.int64, device=device)
+        temps = torch.tensor([p.logprob_temperature for p in params], dtype=torch.float32, device=device)
+        trunc = RowTruncation.of([p.truncation for p in params], device)
         lp = self.model.logprobs(hidden[rows], temps, truncation=trunc)
-        keys = torch.tensor([s.seq.key for s in sampled], dtype=torch.int64, device=device)
-        steps = torch.tensor([len(s.seq.generated) for s in sampled], dtype=torch.int64, device=device)
-        greedy = torch.tensor([s.seq.params.greedy for s in sampled], device=device)
+        keys = torch.tensor([s.seq.key for s, _, _ in rows_of], dtype=torch.int64, device=device)
+        steps = torch.tensor([len(s.seq.generated) + j for s, _, j in rows_of], dtype=torch.int64, device=device)
+        greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = sample(lp, keys, steps, greedy)
         token_lp = lp.gather(1, tokens[:, None])[:, 0]
-        return [SampledToken(s.seq.seq_id, int(t), float(v))
-                for s, t, v in zip(sampled, tokens.tolist(), token_lp.tolist(), strict=True)]
+        return _emit([s for s, _ in sampled], tokens.tolist(), token_lp.tolist())
+
+
+def _emit(sampled: list[ScheduledSeq], tokens: list[int], logprobs: list[float]) -> list[SampledToken]:
+    """Each sampled request's tokens: its accepted drafts and the sampler's token after them."""
+    out: list[SampledToken] = []
+    i = 0
+    for s in sampled:
+        width = len(s.draft) + 1
+        keep = accept(s.draft, tokens[i:i + width]) + 1
+        out.extend(SampledToken(s.seq.seq_id, t, v)
+                   for t, v in zip(tokens[i:i + keep], logprobs[i:i + keep], strict=True))
+        i += width
+    return out

@@ -2,14 +2,17 @@
 
 There are no separate prefill and decode phases: a running request with ``k`` uncomputed tokens is
 given ``min(k, budget)`` of the step's ``max_batched_tokens`` (chunked prefill); a decoding request
-needs one. Waiting requests are admitted while ``max_num_seqs`` and the KV pages allow; when a
-running request cannot get a page, the most recently admitted one is preempted (its pages freed,
-recomputed later — bitwise harmless, since every kernel is invariant to the schedule).
+needs one, plus the tokens its ``drafter`` proposes when speculative decoding is on (only what the
+budget and the free pages allow without preempting anyone; ``onpolicy.rollout.speculative``).
+Waiting requests are admitted while ``max_num_seqs`` and the KV pages allow; when a running request
+cannot get a page, the most recently admitted one is preempted (its pages freed, recomputed later —
+bitwise harmless, since every kernel is invariant to the schedule).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
@@ -22,11 +25,15 @@ class ScheduledSeq:
     start: int
     """First token position computed this step (== seq.num_computed)."""
     num_tokens: int
+    """Rows computed this step, the drafted tokens included."""
+    draft: tuple[int, ...] = ()
+    """Drafted tokens computed after the sequence's last token (speculative decoding)."""
 
     @property
     def samples(self) -> bool:
-        """True if this chunk reaches the end of the sequence, so its last row is sampled."""
-        return self.start + self.num_tokens == len(self.seq.tokens)
+        """True if this chunk reaches the end of the sequence, so its last row (and every drafted
+        row) is sampled."""
+        return self.start + self.num_tokens - len(self.draft) == len(self.seq.tokens)
 
 
 @dataclass(frozen=True)
@@ -39,11 +46,17 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+Drafter = Callable[[Sequence], list[int]]
+"""Proposes the tokens to verify after a decoding sequence's last token."""
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int,
+                 drafter: Drafter | None = None) -> None:
         if max_num_seqs < 1 or max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be >= 1")
         self.blocks = blocks
+        self.drafter = drafter
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -78,8 +91,10 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break
+            draft = self._draft(seq, n, budget - n - (len(self.running) - i - 1))
+            n += len(draft)
             self.blocks.grow(seq, seq.num_computed + n)
-            out.append(ScheduledSeq(seq, seq.num_computed, n))
+            out.append(ScheduledSeq(seq, seq.num_computed, n, draft))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -94,6 +109,16 @@ class Scheduler:
             out.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         return SchedulerOutput(out, preempted)
+
+    def _draft(self, seq: Sequence, n: int, spare: int) -> tuple[int, ...]:
+        """The drafter's tokens for a decoding ``seq``, cut to the ``spare`` budget (what is left once
+        every later running request has its one row) and dropped if they need a page nobody frees."""
+        if self.drafter is None or n != 1 or seq.num_to_compute != 1 or spare < 1:
+            return ()
+        draft = tuple(self.drafter(seq)[:spare])
+        if draft and not self.blocks.can_grow(seq, seq.num_computed + 1 + len(draft)):
+            return ()
+        return draft
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

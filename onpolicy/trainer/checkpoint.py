@@ -15,7 +15,8 @@ A save writes every file (fsync'd) into a fresh temporary directory ``.step-0000
 it to ``step-000007`` and only then replaces ``latest``. A crash at any point leaves the previous
 ``latest`` and its directory untouched. Loading reads every file once, checks its sha256 against
 the manifest (and the manifest's against ``latest``) and parses the verified bytes; any mismatch is
-a ``CheckpointError`` — there is no silent fallback to an older checkpoint.
+a ``CheckpointError`` — there is no silent fallback to an older checkpoint. Checkpoints are
+private: the root and step directories are made 0700, every file 0600.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write(path: Path, data: bytes) -> str:
-    with open(path, "wb") as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -114,13 +115,13 @@ def save_checkpoint(root: str | os.PathLike[str], state: CheckpointState) -> Pat
     """Write ``state`` as ``root/step-NNNNNN`` and point ``root/latest`` at it; returns the step
     directory. Checkpoints are immutable: saving a step that already exists is an error."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     name = step_dir_name(state.step)
     final = root / name
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists (checkpoints are immutable)")
     tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)
     try:
         sums = {fname: _write(tmp / fname, data) for fname, data in _encode(state).items()}
         manifest = json.dumps({"format": FORMAT, "step": state.step, "model": state.model_name,

@@ -1,13 +1,15 @@
 """Data-parallel training across Ray workers, bitwise equal to one worker on the same global batch.
 
-``DataParallelEngine`` is a ``TrainerEngine`` that is rank 0 of ``D`` ranks (``onpolicy.trainer.ranks``):
-it starts ``D - 1`` peer Ray actors (``DataParallelWorker``), each a ``TrainerEngine`` on the same
-weights, joined by a gloo process group on loopback (``GlooExchange``). A train step puts the global
-batch into Ray's object store once; every rank reads it, runs forward and backward only on the
-canonical units it owns and folds them, and the ``D`` subtree sums are all-gathered and folded in the canonical tree of
-``onpolicy.trainer.reduction`` — so every rank applies the update one worker would have applied, and
-two runs with the same seeds end with the same weights. After each step rank 0 checks that every peer
-holds weights with its sha256 (``ReplicaDivergence`` otherwise).
+``DataParallelEngine`` is a ``TrainerEngine`` that is rank 0 of ``D`` ranks
+(``onpolicy.trainer.ranks``): it starts ``D - 1`` peers (``DataParallelWorker``; Ray actors under
+the runtime's launcher), each a ``TrainerEngine`` on the same weights, joined by a gloo process
+group on loopback (``GlooExchange``). A train step shares the global batch once
+(``PeerGroup.share``: Ray's object store under the runtime's launcher); every rank reads it, runs
+forward and backward only on the canonical units it owns and folds them, and the ``D`` subtree sums
+are all-gathered and folded in the canonical tree of ``onpolicy.trainer.reduction`` — so every rank
+applies the update one worker would have applied, and two runs with the same seeds end with the same
+weights. After each step rank 0 checks that every peer holds weights with its sha256
+(``ReplicaDivergence`` otherwise).
 
 Everything else is rank 0's: logprobs, weight export and checkpoints come from its weights and
 optimizer state (identical on every rank); ``restore`` restores every rank. So the trainer service
@@ -30,7 +32,7 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.parallel.groups import init_loopback
 from onpolicy.parallel.launch import free_port
-from onpolicy.parallel.peers import Loader, peer_model
+from onpolicy.parallel.peers import Loader, PeerLauncher, peer_model
 
 from .config import TrainerConfig
 from .engine import TrainerEngine
@@ -73,7 +75,7 @@ class GlooExchange:
 
 
 class DataParallelWorker(RankWorker):
-    """Body of a peer rank's Ray actor: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
+    """Body of a peer rank: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
 
     def __init__(self, rank: int, size: int, port: int, model: str, kernel_config: KernelConfig,
                  trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
@@ -83,24 +85,24 @@ class DataParallelWorker(RankWorker):
 
 
 class DataParallelEngine(RankZeroEngine):
-    """Rank 0 of ``degree`` data-parallel ranks (peers: Ray actors on the current Ray cluster, started
-    with ``peer_options``, e.g. ``{"num_cpus": 1}``; start a local cluster with
-    ``onpolicy.services.cluster.local_ray.init_ray``). Peers load ``model_ref`` (the reference ``lm``
-    was loaded from) with ``loader`` (a picklable function; default: no certification), named after
-    ``peer_name`` when given. ``close()``
-    (or ``with``) ends the peers; a failed collective or peer closes them too (the engine is then
+    """Rank 0 of ``degree`` data-parallel ranks (peers started by ``launch`` with ``peer_options``,
+    e.g. ``{"num_cpus": 1}``; the runtime's launcher is ``onpolicy.services.cluster.peers.ray_peers``).
+    Peers load ``model_ref`` (the reference ``lm`` was loaded from) with ``loader`` (a picklable
+    function; default: no certification), named after ``peer_name`` when given. ``close()`` (or
+    ``with``) ends the peers; a failed collective or peer closes them too (the engine is then
     unusable)."""
 
     kind = "data-parallel"
 
-    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int, model_ref: str,
+    def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int,
+                 launch: PeerLauncher, model_ref: str,
                  loader: Loader | None = None, threads_per_worker: int | None = None,
                  peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0, peer_name: str = "") -> None:
         check_degree(degree)
         threads = threads_per_worker or torch.get_num_threads()
         port = free_port()
         self._start_peers(
-            DataParallelWorker, degree,
+            launch, DataParallelWorker, degree,
             lambda rank: (rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader),
             peer_options or {"num_cpus": threads}, timeout_s, peer_name)
         try:

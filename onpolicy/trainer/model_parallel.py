@@ -1,7 +1,7 @@
 """Tensor- and expert-parallel training across Ray workers: ``ModelParallelEngine``.
 
 The trainer service's engine is rank 0 of ``world = lcm(tp, ep)`` ranks (``onpolicy.parallel.layout``;
-the peers are Ray actors, ``onpolicy.trainer.ranks``), each a ``TrainerEngine`` on its shard of the
+the peers are started by a ``PeerLauncher``, ``onpolicy.trainer.ranks``), each a ``TrainerEngine`` on its shard of the
 model (``shard_model``), all joined in one gloo world on loopback. A train step runs on every rank at
 once on the same global batch: the forward's collectives reduce row-parallel partials in the canonical
 chunk order (so the training-path logprobs are bitwise those of TP=1 and of any rollout degree), the
@@ -29,7 +29,7 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S
 from onpolicy.parallel.layout import Layout
-from onpolicy.parallel.peers import Loader, sharded_peer_model, start_sharded
+from onpolicy.parallel.peers import Loader, PeerLauncher, sharded_peer_model, start_sharded
 
 from .config import TrainerConfig
 from .engine import LocalState, TrainerEngine
@@ -38,7 +38,7 @@ from .ranks import RankWorker, RankZeroEngine
 
 
 class ModelParallelWorker(RankWorker):
-    """Body of a peer rank's Ray actor: a ``TrainerEngine`` on this rank's shard, driven by rank 0."""
+    """Body of a peer rank: a ``TrainerEngine`` on this rank's shard, driven by rank 0."""
 
     def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
                  trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
@@ -49,19 +49,19 @@ class ModelParallelWorker(RankWorker):
 class ModelParallelEngine(RankZeroEngine):
     """Rank 0 of a ``tp`` x ``ep`` trainer (``world = lcm(tp, ep)`` ranks) over the full model ``lm``
     (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
-    uncertified). Peers are Ray actors on the current cluster started with ``peer_options`` (default
+    uncertified). Peers are started by ``launch`` with ``peer_options`` (default
     ``{"num_cpus": threads}``), named after ``peer_name`` when given. ``close()`` (or ``with``) ends them."""
 
     kind = "model-parallel"
 
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
-                 model_ref: str, loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 peer_name: str = "") -> None:
+                 launch: PeerLauncher, model_ref: str, loader: Loader | None = None,
+                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, peer_name: str = "") -> None:
         self.world = math.lcm(tp, ep)
         self.peers, shard = start_sharded(
-            "trainer", ModelParallelWorker, lm, tp, ep, model_ref=model_ref, config=config, loader=loader,
-            threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
+            "trainer", ModelParallelWorker, lm, tp, ep, launch=launch, model_ref=model_ref, config=config,
+            loader=loader, threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
             peer_name=peer_name)
         try:
             super().__init__(shard, config)

@@ -1,15 +1,17 @@
-"""A trainer spread over ranks: rank 0 in the trainer service's process, ranks ``1..world-1`` as Ray
-actors (``onpolicy.parallel.peers``), every rank a ``TrainerEngine``. What the data-parallel trainer
+"""A trainer spread over ranks: rank 0 in the trainer service's process, ranks ``1..world-1`` started
+by a ``PeerLauncher`` (``onpolicy.parallel.peers``; the runtime's are Ray actors), every rank a
+``TrainerEngine``. What the data-parallel trainer
 (``data_parallel``) and the tensor/expert-parallel trainer (``model_parallel``) share.
 
 Rank 0 mirrors every call that runs collectives or changes state — ``train_step``, ``restore`` (and,
 for a sharded model, ``compute_logprobs``) — to every peer, one object-store copy of the arguments
-read by all, then runs its own part; Ray runs one caller's calls to an actor in submission order, so
-the ranks meet in the same collectives (``onpolicy.parallel.peers.Peers``). After a step or a restore
+read by all, then runs its own part; the peers run the calls in the order rank 0 makes them, so
+the ranks meet in the same collectives (``onpolicy.parallel.peers.PeerGroup``). After a step or a restore
 rank 0 checks every peer's ``replica_sha256`` (what every rank must hold identically) against its
 own: ``ReplicaDivergence`` otherwise. A failed rank or collective is ``PeerFailed`` naming the rank
 and ends every peer (they may be blocked in a collective); the engine is then unusable (``failed``),
-the trainer service answers UNAVAILABLE and its actor exits, so Ray restarts it with a fresh world.
+the trainer service answers UNAVAILABLE and its actor exits, so the runtime restarts it with a fresh
+world.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from onpolicy.parallel.peers import PeerFailed, Peers, start_peers
+from onpolicy.parallel.peers import PeerFailed, PeerGroup, PeerLauncher
 
 from .checkpoint import CheckpointError, CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainSample
@@ -33,7 +35,7 @@ class ReplicaDivergence(PeerFailed):
 
 
 class RankWorker:
-    """Body of a peer rank's Ray actor; a subclass builds ``self.engine`` on this rank."""
+    """Body of a peer rank; a subclass builds ``self.engine`` on this rank."""
 
     engine: TrainerEngine
 
@@ -66,12 +68,13 @@ class RankZeroEngine(TrainerEngine):
     (the peers join it concurrently), then calls ``TrainerEngine.__init__``, then ``_check_peers``."""
 
     kind = "trainer"
-    peers: Peers
+    peers: PeerGroup
 
-    def _start_peers(self, worker: type[RankWorker], world: int, args: Callable[[int], Sequence[Any]],
-                     options: dict[str, Any], timeout_s: float, name: str) -> None:
-        """Start ranks ``1..world-1`` (named ``{name}-{random}-rank{r}`` when ``name`` is given)."""
-        self.peers = Peers("trainer", start_peers(worker, world, args, options, name), timeout_s)
+    def _start_peers(self, launch: PeerLauncher, worker: type[RankWorker], world: int,
+                     args: Callable[[int], Sequence[Any]], options: dict[str, Any], timeout_s: float,
+                     name: str) -> None:
+        """Start ranks ``1..world-1`` with ``launch`` (named after ``name`` when given)."""
+        self.peers = launch("trainer", worker, world, args, options=options, name=name, timeout_s=timeout_s)
 
     @property
     def failed(self) -> str:
@@ -96,12 +99,10 @@ class RankZeroEngine(TrainerEngine):
         peers; returns rank 0's result and the peers'. An error every rank raises alike (a refused
         batch, a diverged step) is re-raised once the peers have raised it too; a lost rank is
         ``PeerFailed``."""
-        import ray
-
         self.peers.check()
         if not self.peers:
             return local(), []
-        self.peers.mirror(method, *(ray.put(a) if isinstance(a, list | CheckpointState) else a for a in args))
+        self.peers.mirror(method, *(self.peers.share(a) if isinstance(a, list | CheckpointState) else a for a in args))
         out = self.peers.local(local, alike=(ValueError, FloatingPointError, CheckpointError))
         return out, self.peers.settle()
 

@@ -11,7 +11,7 @@ A sample carries the temperature and truncation (top-k / top-p / min-p) its logp
 at; the training path scores the same renormalised distribution. One ``verify`` call is one
 recompute: all its samples go through ``sequence_logprobs`` together, packed into forwards of up to
 ``pack_tokens`` tokens (the asynchronous worker drains several queued batches into one call).
-Statistics are kept per job and overall, and fed to ``VerifierMetrics``; samples with a nonzero
+Statistics are kept per job and overall, and fed to a ``VerificationSink`` (``sink``); samples with a nonzero
 logdiff are offered to the ``MismatchStore``.
 """
 
@@ -30,8 +30,8 @@ from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
 from .logdiff import LogdiffStats
-from .metrics import VerifierMetrics
 from .mismatch_store import MismatchRecord, MismatchStore
+from .sink import VerificationSink
 
 OWN_SOURCE = "onpolicy"
 
@@ -70,7 +70,7 @@ class BatchResult:
 
 
 class Verifier:
-    def __init__(self, lm: LoadedModel, pack_tokens: int = 4096, *, metrics: VerifierMetrics | None = None,
+    def __init__(self, lm: LoadedModel, pack_tokens: int = 4096, *, metrics: VerificationSink | None = None,
                  mismatch_store: MismatchStore | None = None) -> None:
         self.lm = lm
         self.pack_tokens = pack_tokens

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from onpolicy.jobs.spec import JobSpec
-from onpolicy.kernels.ascend.placement import actor_options
 
 from ..jobs.loop import RoleStubs
 from .local_ray import ray_env
+from .placement import actor_options
 
 log = logging.getLogger(__name__)
 ROLES = ("rollout", "trainer", "verifier")
@@ -145,14 +145,17 @@ def _remote_class() -> Any:
     return _REMOTE
 
 
-def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str = "") -> dict[str, Any]:
+def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str = "", job_dir: str = "",
+                 ) -> dict[str, Any]:
     from ..roles import RoleOptions
 
     kernels = spec.rollout.kernels if role == "rollout" else "consistent"
     backend = "fast" if kernels == "fast" else spec.kernels.backend
     opts = RoleOptions(model=spec.model, backend=backend, dtype=spec.kernels.dtype, kv_tile=spec.kernels.kv_tile,
                        max_num_seqs=spec.rollout.max_num_seqs, max_batched_tokens=spec.rollout.max_batched_tokens,
+                       speculative=spec.rollout.speculative, num_speculative_tokens=spec.rollout.num_speculative_tokens,
                        weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir,
+                       job_dir=job_dir,
                        engine=spec.rollout.engine if role == "rollout" else "onpolicy",
                        trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus,
                        trainer_tp=spec.parallel.trainer.tp, trainer_ep=spec.parallel.trainer.ep,
@@ -191,7 +194,10 @@ class RayLauncher:
 
     ``metrics``: a ``MetricsHub`` the services' ``/metrics`` endpoints are registered with.
     ``state_dir``: the controller's state directory (its jobs' work dirs are ``state_dir/jobs/<id>``),
-    under which the verifier keeps its mismatch store unless the spec names a checkpoint dir."""
+    under which the verifier keeps its mismatch store unless the spec names a checkpoint dir.
+    ``token``: the controller's own token, never handed to a role: each launch makes a fresh token
+    for that job's roles (``services.common.auth.new_role_token``), so one job's token cannot drive
+    another job's services."""
 
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
                  state_dir: str | Path | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS,
@@ -211,8 +217,9 @@ class RayLauncher:
             return str(self.state_dir / "jobs" / job_id / "mismatches")
         return ""
 
-    def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any]) -> RoleStubs:
-        """Stubs to the actors' current addresses (closing the channels of a previous connection)."""
+    def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any], token: str) -> RoleStubs:
+        """Stubs to the actors' current addresses (closing the channels of a previous connection),
+        authenticated with the job's own role ``token``."""
         import ray
 
         from onpolicy.services import api
@@ -232,20 +239,29 @@ class RayLauncher:
                                ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
                                ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
             if self.tls is not None:  # mutual TLS: the token travels encrypted
-                ch = connect(addresses[role], token=self.token, tls_ca=self.tls.ca, client_cert=self.tls.cert,
+                ch = connect(addresses[role], token=token, tls_ca=self.tls.ca, client_cert=self.tls.cert,
                              client_key=self.tls.key, options=[("grpc.ssl_target_name_override",
                                                                 self.tls.server_name)])
             else:  # off-loopback the token crosses the cluster network in plaintext (docs/deploy.md)
-                ch = connect(addresses[role], token=self.token, allow_insecure_token=not self.loopback)
+                ch = connect(addresses[role], token=token, allow_insecure_token=not self.loopback)
             channels.append(ch)
             stubs[role] = stub_cls(ch)
-        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels))
+        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token)
 
     @contextlib.contextmanager
-    def launch(self, job_id: str, spec: JobSpec) -> Iterator[RoleStubs]:
+    def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None) -> Iterator[RoleStubs]:
+        """The job's role services, authenticated with a token of the job's own (never the
+        controller's), the trainer confined to ``job_dir`` (default: the checkpoint dir, or the
+        job's work dir under ``state_dir``; neither known: not confined)."""
         import ray
 
+        from ..common.auth import new_role_token
+
         remote = _remote_class()
+        token = new_role_token()  # in memory only: the actors' arguments and this job's channels
+        if job_dir is None:
+            job_dir = spec.checkpoint.dir or (self.state_dir / "jobs" / job_id if self.state_dir else "")
+        job_dir = str(Path(job_dir).absolute()) if job_dir else ""
         actors = {}
         channels: list[Any] = []
         mismatch_dir = self.mismatch_dir(job_id, spec)
@@ -255,10 +271,10 @@ class RayLauncher:
                 actors[role] = remote.options(
                     name=f"onpolicy-{job_id}-{role}", max_restarts=self.max_restarts,
                     **actor_options(res.npus, res.cpus),
-                ).remote(role, role_options(spec, role, job_id, mismatch_dir), self.host, self.token,
+                ).remote(role, role_options(spec, role, job_id, mismatch_dir, job_dir), self.host, token,
                          max(1, int(res.cpus)), self.metrics is not None,
                          asdict(self.tls) if self.tls is not None else None)
-            yield self._connect(job_id, actors, channels)
+            yield self._connect(job_id, actors, channels, token)
         finally:
             if self.metrics is not None:
                 with contextlib.suppress(Exception):

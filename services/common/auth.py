@@ -1,4 +1,5 @@
-"""Bearer-token authentication of every RPC except health checks and reflection.
+"""Bearer-token authentication of every RPC except health checks and reflection, and the per-job
+tokens of role services (``new_role_token``).
 
 With a token configured, a call must carry metadata ``authorization: Bearer <token>``; anything
 else is refused with UNAUTHENTICATED before the servicer runs. The comparison is constant-time
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from .errors import rewrap
 
 TOKEN_ENV = "ONPOLICY_TOKEN"
 AUTH_HEADER = "authorization"
+#: The largest token file read (a token is tens of bytes).
+MAX_TOKEN_BYTES = 64 << 10
 #: Method prefixes that answer without a token: probes (kubelet, load balancers) and reflection.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
@@ -28,11 +32,21 @@ def load_token(path: str | os.PathLike[str] | None = None, env: str = TOKEN_ENV)
     """The shared token: the file at ``path`` if given (a mounted Kubernetes Secret), else the
     environment variable ``env``; ``None`` when neither is set (authentication off)."""
     if path is not None:
-        token = Path(path).read_text().strip()
+        with open(Path(path), "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+        if len(raw) > MAX_TOKEN_BYTES:
+            raise ValueError(f"token file {path} is larger than {MAX_TOKEN_BYTES >> 10} KiB")
+        token = raw.decode().strip()
         if not token:
             raise ValueError(f"token file {path} is empty")
         return token
     return os.environ.get(env, "").strip() or None
+
+
+def new_role_token() -> str:
+    """A fresh token for one job's role services (256 bits): the controller makes one per launch and
+    keeps it in memory only, so a job's token drives that job's services and no other's."""
+    return secrets.token_urlsafe(32)
 
 
 def bearer(token: str) -> tuple[str, str]:

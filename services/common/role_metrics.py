@@ -1,5 +1,5 @@
 """Prometheus metrics of the rollout and trainer services (the verifier's are in
-``onpolicy.verification.metrics``), each in a ``CollectorRegistry`` of its own, read from the
+``onpolicy.services.verifier.metrics``), each in a ``CollectorRegistry`` of its own, read from the
 engine at scrape time. Labels ``job``, ``model``, ``role``; both also export the cross-role
 ``onpolicy_weight_version`` and ``onpolicy_kernel_config_info`` (``role`` tells the three apart, so
 a weight-version or kernel skew between rollout, trainer and verifier is one query).
@@ -18,6 +18,8 @@ Rollout (``role="rollout"``):
 ``onpolicy_rollout_kv_cache_usage_ratio``             gauge    KV pages held by sequences / all pages
 ``onpolicy_rollout_prefix_cache_hits_total``          counter  KV pages reused from the prefix cache
 ``onpolicy_rollout_preemptions_total``                counter  sequences preempted for KV space
+``onpolicy_rollout_spec_drafted_tokens_total``        counter  tokens drafted by speculative decoding
+``onpolicy_rollout_spec_accepted_tokens_total``       counter  drafted tokens accepted (decode steps saved)
 ``onpolicy_rollout_admitted_token_positions``         gauge    token positions admitted by the gate
 ``onpolicy_rollout_queued_requests``                  gauge    Generate calls queued at the gate
 ``onpolicy_rollout_rejected_requests_total``          counter  calls refused RESOURCE_EXHAUSTED
@@ -53,7 +55,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from onpolicy.verification.metrics import BASE_LABELS, kernel_info_family, weight_version_family
+from ..verifier.metrics import BASE_LABELS, kernel_info_family, weight_version_family
+from .labels import model_label
 
 
 def _family(kind: str, name: str, doc: str, labels: list[str], value: float) -> Metric:
@@ -68,7 +71,7 @@ class RolloutMetrics:
 
     def __init__(self, servicer: Any, job: str = "") -> None:
         self.servicer = servicer
-        self.labels = (job, servicer.lm.name, "rollout")
+        self.labels = (job, model_label(servicer.lm.name), "rollout")
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -91,6 +94,10 @@ class RolloutMetrics:
         yield _family("counter", p + "prefix_cache_hits", "KV pages reused from the prefix cache", lab,
                       st.prefix_cache_hits)
         yield _family("counter", p + "preemptions", "Sequences preempted for KV space", lab, st.preemptions)
+        yield _family("counter", p + "spec_drafted_tokens", "Tokens drafted by speculative decoding", lab,
+                      st.spec_drafted)
+        yield _family("counter", p + "spec_accepted_tokens", "Drafted tokens accepted (decode steps saved)", lab,
+                      st.spec_accepted)
         gate = getattr(self.servicer, "admission", None)  # services/rollout/admission.py
         if gate is not None:
             yield _family("gauge", p + "admitted_token_positions", "Token positions admitted by the gate", lab,
@@ -140,7 +147,7 @@ class TrainerMetrics:
 
     def __init__(self, servicer: Any, job: str = "") -> None:
         self.servicer = servicer
-        self.labels = (job, servicer.engine.lm.name, "trainer")
+        self.labels = (job, model_label(servicer.engine.lm.name), "trainer")
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
         self._tokens = 0

@@ -28,7 +28,7 @@ from onpolicy.rollout.engines import OWN_ENGINE, check_engine
 
 from ..cluster.actors import RoleStartupError
 from .loop import Cancelled, GRPOLoop, JobInputs, RoleStubs
-from .paths import PathRoots, check_paths
+from .paths import PathRoots, check_paths, job_root
 from .records import JobEvent, JobRecord, JobState
 from .store import JobStore
 
@@ -40,8 +40,10 @@ class JobNotFound(KeyError):
 
 
 class ServiceLauncher(Protocol):
-    def launch(self, job_id: str, spec: JobSpec) -> AbstractContextManager[RoleStubs]:
-        """Start (or attach to) the rollout, trainer and verifier services of a job."""
+    def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None,
+               ) -> AbstractContextManager[RoleStubs]:
+        """Start (or attach to) the rollout, trainer and verifier services of a job, the trainer
+        confined to ``job_dir`` (``services.jobs.paths.job_root``)."""
         ...
 
 
@@ -73,10 +75,8 @@ def _model_admits(model: str, role: str, tp: int, ep: int) -> list[tuple[str, st
     """The degrees of ``role`` the model's shapes refuse (``onpolicy.parallel.layout.check_degrees``),
     for a model whose config is readable here (built-in tiny models, HF directories); others (GGUF, a
     path only the cluster has) are checked when the role's service starts."""
-    import json
-
     from onpolicy.kernels import KernelConfig
-    from onpolicy.models.config import ModelConfig
+    from onpolicy.models.config import ModelConfig, read_config_json
     from onpolicy.models.tiny import SPECS, tiny_checkpoint
     from onpolicy.parallel.layout import check_degrees
 
@@ -84,7 +84,11 @@ def _model_admits(model: str, role: str, tp: int, ep: int) -> list[tuple[str, st
     if not config.is_file():
         return []
     try:
-        check_degrees(ModelConfig.from_hf(json.loads(config.read_text())), tp, ep, KernelConfig().reduce_chunks)
+        cfg = read_config_json(config)
+    except (OSError, ValueError) as e:
+        return [("model", str(e).splitlines()[0])]
+    try:
+        check_degrees(ModelConfig.from_hf(cfg), tp, ep, KernelConfig().reduce_chunks)
     except ValueError as e:
         name = "ep" if str(e).startswith("ep=") else "tp"
         return [(f"parallel.{role}.{name}", f"{e} (model {model})")]
@@ -351,7 +355,7 @@ class JobController:
             for note in notes:
                 self._emit(job, JobEvent(job_id=rec.job_id, step=rec.step, state=JobState.PENDING, message=note))
             workdir = self.store.job_dir(rec.job_id)
-            with self.launcher.launch(rec.job_id, spec) as stubs:
+            with self.launcher.launch(rec.job_id, spec, job_root(spec, workdir)) as stubs:
                 if job.cancel.is_set():
                     raise Cancelled()
                 loop = GRPOLoop(rec.job_id, spec, stubs, inputs, Path(workdir), lambda ev: self._emit(job, ev),

@@ -41,6 +41,7 @@ from onpolicy.jobs.spec import JobSpec
 from onpolicy.services import api
 from onpolicy.trainer.grpo import group_advantages, informative_groups, overlong_penalty, scheduled_lr
 
+from .paths import job_root
 from .records import JobEvent, JobState, StepTimes
 
 CALL_TIMEOUT_S = 6 * 3600
@@ -62,6 +63,8 @@ class RoleStubs:
     reconnect: Callable[[], RoleStubs] | None = None
     """Re-resolve the services (a restarted one listens on a new address) and return fresh stubs;
     None when the launcher cannot, and a lost service then fails the job."""
+    token: str = field(default="", repr=False)
+    """The job's own role token the stubs carry (in memory only; "" when the roles need none)."""
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,8 @@ class GRPOLoop:
     def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, inputs: JobInputs, workdir: Path,
                  on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
         self.job_id, self.spec, self.stubs, self.inputs = job_id, spec, stubs, inputs
-        self.weights_dir = Path(spec.checkpoint.dir or workdir) / "weights"
-        self.ckpt_dir = Path(spec.checkpoint.dir or workdir) / "checkpoints"
+        self.weights_dir = job_root(spec, workdir) / "weights"
+        self.ckpt_dir = job_root(spec, workdir) / "checkpoints"
         self.on_event, self.should_stop = on_event, should_stop
         self.weight_version = 0
         self._rollout_fingerprint: str | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from ..common.labels import model_label
 from .controller import JobController
 from .records import JobState
 
@@ -38,7 +39,7 @@ class ControllerMetrics:
         accuracy = gauge("eval_accuracy", "the job's latest eval accuracy (greedy, held-out split)")
         state = GaugeMetricFamily("onpolicy_job_state", "1 for the job's current state", labels=[*labels, "state"])
         for rec in self.controller.list():
-            key = [rec.job_id, str(rec.spec.get("model", ""))]
+            key = [rec.job_id, model_label(str(rec.spec.get("model", "")))]
             step.add_metric(key, rec.step)
             for s in JobState:
                 state.add_metric([*key, s.value.lower()], 1.0 if rec.state is s else 0.0)

@@ -6,7 +6,10 @@ where the controller is given roots (``onpolicy up --data-root D --model-root M`
 symlinks and ``..`` followed — to a place under one of them: datasets under a data root, model
 files and directories under a model root, a checkpoint directory under the controller's state
 directory or a data root. A path outside is PERMISSION_DENIED naming the field; a special file is
-INVALID_ARGUMENT. Without roots only the file-type rule applies (a single-user machine)."""
+INVALID_ARGUMENT. A ``checkpoint.dir`` that holds the controller's job directories (``state/jobs``)
+or lies inside one is PERMISSION_DENIED whatever the roots: it is the job's own directory, the
+only place the job's trainer serves (``job_root``). Without roots only the file-type rule and
+that one apply (a single-user machine)."""
 
 from __future__ import annotations
 
@@ -61,6 +64,13 @@ def _check(field_name: str, value: str, roots: Sequence[Path], enforced: bool, m
             raise PathRefused(field_name, f"{value}: outside the roots this controller serves ({where})", denied=True)
 
 
+def job_root(spec: JobSpec, workdir: str | os.PathLike[str]) -> Path:
+    """The job's own directory, absolute: its ``checkpoint.dir``, else its work dir under the
+    controller's state. Its checkpoints and weight versions live there, and the job's trainer serves
+    no other place (``services.trainer.confine``)."""
+    return Path(spec.checkpoint.dir or workdir).absolute()
+
+
 def check_paths(spec: JobSpec, roots: PathRoots) -> None:
     """``PathRefused`` for the first path of ``spec`` this controller does not serve."""
     d = spec.dataset
@@ -72,3 +82,14 @@ def check_paths(spec: JobSpec, roots: PathRoots) -> None:
         _check("model", spec.model, roots.models, roots.enforced, must_exist=True)
     if spec.checkpoint.dir:
         _check("checkpoint.dir", spec.checkpoint.dir, roots.checkpoints, roots.enforced, must_exist=False)
+        if roots.state is not None:
+            _apart_from_jobs(spec.checkpoint.dir, Path(os.path.realpath(Path(roots.state) / "jobs")))
+
+
+def _apart_from_jobs(value: str, jobs: Path) -> None:
+    """A checkpoint dir is the job's own directory (its trainer serves nothing else): it may neither
+    hold the controller's job directories nor lie inside one."""
+    real = Path(os.path.realpath(Path(value).expanduser()))
+    if real == jobs or jobs.is_relative_to(real) or real.is_relative_to(jobs):
+        raise PathRefused("checkpoint.dir", f"{value}: overlaps the controller's job directories ({jobs})",
+                          denied=True)

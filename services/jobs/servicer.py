@@ -1,10 +1,12 @@
-"""``JobServicer``: JobService RPCs onto the ``JobController``."""
+"""``JobServicer``: JobService RPCs onto the ``JobController``. A SubmitJob spec is at most
+``MAX_SPEC_BYTES`` (INVALID_ARGUMENT on ``spec``); its text fields may not hold NUL characters."""
 
 from __future__ import annotations
 
 import threading
 
 from onpolicy.jobs.spec import SpecError
+from onpolicy.jobs.spec_file import MAX_SPEC_BYTES
 from onpolicy.rollout.engines import EngineUnavailable
 from onpolicy.services import api
 
@@ -56,6 +58,9 @@ class JobServicer(api.jobs_pb2_grpc.JobServiceServicer):
     def SubmitJob(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "spec is required (the job to run)")
+        if request.spec.ByteSize() > MAX_SPEC_BYTES:
+            raise InvalidArgument("spec", f"{request.spec.ByteSize()} bytes; a job spec is at most "
+                                          f"{MAX_SPEC_BYTES >> 20} MiB")
         try:
             rec = self.controller.submit(spec_from_proto(request.spec))
         except SpecError as e:

@@ -6,6 +6,9 @@ Layout under the state directory: ``jobs/<job_id>/job.json`` (the record, replac
 A record that does not parse (disk corruption; writes are atomic, so never a crash mid-write) is
 logged as an error naming the file and left out, so the controller still resumes every other job;
 an events line torn by a crash mid-append is skipped (only that event is lost).
+
+Private: the state directory, ``jobs/`` and every job directory are 0700, ``job.json`` and
+``events.jsonl`` 0600 (specs name server paths; checkpoints and weights below are private too).
 """
 
 from __future__ import annotations
@@ -26,21 +29,27 @@ log = logging.getLogger(__name__)
 class JobStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+        (self.root / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in (self.root, self.root / "jobs"):
+            os.chmod(d, 0o700)
         self._lock = threading.Lock()
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / "jobs" / job_id
 
+    def _private_dir(self, job_id: str) -> Path:
+        d = self.job_dir(job_id)
+        d.mkdir(mode=0o700, exist_ok=True)
+        return d
+
     def save(self, rec: JobRecord) -> None:
         with self._lock:
-            atomic_write_bytes(self.job_dir(rec.job_id) / "job.json", json.dumps(rec.to_dict(), indent=1).encode())
+            atomic_write_bytes(self._private_dir(rec.job_id) / "job.json", json.dumps(rec.to_dict(), indent=1).encode())
 
     def append_event(self, ev: JobEvent) -> None:
         with self._lock:
-            path = self.job_dir(ev.job_id) / "events.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
+            path = self._private_dir(ev.job_id) / "events.jsonl"
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
                 f.write(json.dumps(ev.to_dict()) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

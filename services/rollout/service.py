@@ -31,6 +31,9 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     """
     if engine != OWN_ENGINE and (tp > 1 or ep > 1):
         raise ValueError(f"tp={tp}, ep={ep}: only the onpolicy engine runs tensor/expert parallel here")
+    if engine != OWN_ENGINE and engine_config is not None and engine_config.speculative.enabled:
+        raise ValueError(f"speculative {engine_config.speculative.method}: only the onpolicy engine decodes "
+                         "speculatively")
     if engine != OWN_ENGINE:  # vllm: EngineUnavailable (FAILED_PRECONDITION) before loading anything
         external = build_engine(engine, model_ref, kernel_config, engine_config, certify=ensure_certified)
         return RolloutServicer(external, weights_fingerprint=weights_fingerprint,
@@ -39,11 +42,13 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
     if tp > 1 or ep > 1:
         import torch
 
-        from onpolicy.kernels.ascend.placement import actor_options
         from onpolicy.parallel.mirrored import MirroredRolloutEngine
 
+        from ..cluster.peers import ray_peers
+        from ..cluster.placement import actor_options
+
         rollout: RolloutEngine = MirroredRolloutEngine(
-            lm, engine_config, tp=tp, ep=ep, model_ref=model_ref, loader=load_certified,
+            lm, engine_config, tp=tp, ep=ep, launch=ray_peers, model_ref=model_ref, loader=load_certified,
             peer_options=actor_options(peer_npus, torch.get_num_threads()), peer_name=peer_name)
     else:
         rollout = RolloutEngine(lm, engine_config)

@@ -14,6 +14,10 @@ validate -> domain types -> engine -> proto).
   FAILED_PRECONDITION (and nothing is changed).
 * ``GetInfo`` — model, kernel config, weight checksum and version (= step), certification, step.
 
+A trainer launched for a job serves those directories only inside the job's own directory, and
+only checkpoints of its own job (``services.trainer.confine``): elsewhere is PERMISSION_DENIED
+naming the field.
+
 Engine calls are serialised by one lock (the engine is not thread-safe). Validation refusals are
 INVALID_ARGUMENT naming the field; a KL penalty switched on after training started, a non-finite
 gradient (divergence), or a checkpoint step that already exists, is FAILED_PRECONDITION. A
@@ -50,13 +54,15 @@ from onpolicy.trainer.engine import TrainerEngine
 from onpolicy.weights import prune_weight_versions
 
 from . import requests
+from .confine import JobConfinement
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, engine: TrainerEngine) -> None:
+    def __init__(self, engine: TrainerEngine, confinement: JobConfinement | None = None) -> None:
         self.engine = engine
+        self.confinement = confinement or JobConfinement()
         self.kernel_config: KernelConfig = engine.model.ops.config
         self._lock = threading.Lock()
 
@@ -116,7 +122,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def ExportWeights(self, request: trainer_pb2.ExportWeightsRequest, context: grpc.ServicerContext,
                       ) -> trainer_pb2.ExportWeightsResponse:
-        directory = requests.directory(request.directory)
+        directory = self.confinement.directory(requests.directory(request.directory))
         requests.keep_last(request.keep_last)
         with self._engine():
             try:
@@ -129,8 +135,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def SaveCheckpoint(self, request: trainer_pb2.SaveCheckpointRequest, context: grpc.ServicerContext,
                        ) -> trainer_pb2.SaveCheckpointResponse:
-        directory = requests.directory(request.directory)
+        directory = self.confinement.directory(requests.directory(request.directory))
         extra = requests.extra_json(request.extra_json)
+        self.confinement.owner(extra)
         requests.keep_last(request.keep_last)
         with self._engine():
             try:
@@ -147,7 +154,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
     def RestoreCheckpoint(self, request: trainer_pb2.RestoreCheckpointRequest, context: grpc.ServicerContext,
                           ) -> trainer_pb2.RestoreCheckpointResponse:
-        directory = requests.directory(request.directory)
+        directory = self.confinement.directory(requests.directory(request.directory))
         try:
             if not any((Path(directory) / name).is_file() for name in (LATEST, MANIFEST)):
                 raise NotFound(f"directory: no checkpoint under {directory}")
@@ -156,6 +163,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise FailedPrecondition(str(e)) from None
         except OSError as e:
             raise FailedPrecondition(f"cannot read a checkpoint under {directory}: {e.strerror or e}") from None
+        self.confinement.owner(state.extra_json, "directory")  # another job's checkpoint never reaches the engine
         with self._engine():
             try:
                 self.engine.restore(state)

@@ -12,7 +12,7 @@
 * ``GetReport`` — statistics of one job (or all), with that job's dropped count.
 * ``UpdateWeights`` — verifies the weight file (checksum, kernel fingerprint), then swaps weights
   between two recomputes.
-* Metrics: ``metrics.registry`` (see ``onpolicy.verification.metrics``); mismatching samples go to
+* Metrics: ``metrics.registry`` (see ``metrics``); mismatching samples go to
   the ``MismatchStore`` under ``VerifierConfig.mismatch_path``.
 """
 
@@ -32,14 +32,15 @@ from onpolicy.verification.config import VerifierConfig
 from onpolicy.verification.doctor import diagnose_sample
 from onpolicy.verification.doctor_paths import PathOptions
 from onpolicy.verification.logdiff import LogdiffStats
-from onpolicy.verification.metrics import VerifierMetrics
 from onpolicy.verification.mismatch_store import MismatchStore
 from onpolicy.verification.sampling import RateLimiter, SampleQueue
 from onpolicy.verification.verifier import OWN_SOURCE, Verifier, VerifySample
 
 from ..common.convert import kernel_config_to_proto, weights_ref_from_proto
 from ..common.errors import InvalidArgument
+from ..common.labels import model_label
 from ..common.weights import load_weight_version
+from .metrics import VerifierMetrics
 from .worker import VerificationWorker
 
 
@@ -55,7 +56,7 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
         self.config = cfg = config or VerifierConfig()
         self.lm = lm
         self.sha = lm.weights_sha256
-        self.metrics = VerifierMetrics(model=lm.name, kernel_config=lm.model.ops.config, job=cfg.job,
+        self.metrics = VerifierMetrics(model=model_label(lm.name), kernel_config=lm.model.ops.config, job=cfg.job,
                                        window_s=cfg.logdiff_max_window_s, max_jobs=cfg.max_metric_jobs)
         store = MismatchStore(cfg.mismatch_path, cfg.mismatch_keep) if cfg.mismatch_keep else None
         self.verifier = Verifier(lm, cfg.pack_tokens, metrics=self.metrics, mismatch_store=store)

@@ -29,13 +29,19 @@ from onpolicy.kernels.ascend import (
     UNAVAILABLE_MESSAGE,
     AscendBackend,
     AscendUnavailable,
-    actor_options,
     apply_deterministic_env,
     ascend_available,
     attention_args,
     block_row_tiles,
     deterministic_env,
     env_mismatches,
+)
+from onpolicy.kernels.reference import elementwise
+from onpolicy.kernels.reference.attention import attention as reference_attention
+from onpolicy.kernels.reference.linear import pad_rows
+from onpolicy.kernels.selftest import ProbeShapes, run_selftest
+from onpolicy.services.cluster.placement import (
+    actor_options,
     k8s_resources,
     local_device,
     parse_visible_devices,
@@ -43,10 +49,6 @@ from onpolicy.kernels.ascend import (
     ray_start_params,
     visible_devices_env,
 )
-from onpolicy.kernels.reference import elementwise
-from onpolicy.kernels.reference.attention import attention as reference_attention
-from onpolicy.kernels.reference.linear import pad_rows
-from onpolicy.kernels.selftest import ProbeShapes, run_selftest
 
 # ---------------------------------------------------------------------------------------------
 # import safety

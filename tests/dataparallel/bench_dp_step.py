@@ -21,6 +21,7 @@ import time
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
+from onpolicy.services.cluster.peers import ray_peers
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainerConfig, TrainSample
 from onpolicy.trainer.data_parallel import DataParallelEngine, load_model
 from onpolicy.trainer.forward import ScoredSequence, pack
@@ -50,7 +51,7 @@ def main() -> None:
                 seqs = [ScoredSequence(tuple(rng.randrange(vocab) for _ in range(args.prompt_len)),
                                        tuple(rng.randrange(vocab) for _ in range(args.completion_len)))
                         for _ in range(args.samples)]
-                with DataParallelEngine(lm, config, degree=degree, model_ref=args.model,
+                with DataParallelEngine(lm, config, degree=degree, launch=ray_peers, model_ref=args.model,
                                         threads_per_worker=args.threads) as eng:
                     old = eng.compute_logprobs(seqs)
                     samples = [TrainSample(prompt_ids=s.prompt_ids, token_ids=s.token_ids,

@@ -12,6 +12,7 @@ import torch
 
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.services.cluster.peers import ray_peers
 from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, StepStats, TrainerConfig, TrainSample
 from onpolicy.trainer.data_parallel import DataParallelEngine
@@ -28,7 +29,8 @@ def _train(degree: int, lm: LoadedModel, batches: list[list[TrainSample]], check
            ) -> tuple[list[dict[str, torch.Tensor]], list[StepStats]]:
     """Every rank's weights after one step per batch. With ``checkpoints``: also save after the first
     step, restore it after the last, redo the last step and check every rank lands on the same bits."""
-    with num_threads(1), DataParallelEngine(lm, TRAINER, degree=degree, model_ref=MODEL, threads_per_worker=1) as dp:
+    with num_threads(1), DataParallelEngine(lm, TRAINER, degree=degree, launch=ray_peers, model_ref=MODEL,
+                                                threads_per_worker=1) as dp:
         stats = []
         for k, (b, loss) in enumerate(zip(batches, LOSSES, strict=True)):
             if k == 1 and checkpoints is not None:

@@ -6,8 +6,8 @@
   objects and the rendered NOTES.
 * ``validate(obj)``: core kinds against the Kubernetes OpenAPI schemas bundled with
   kubernetes-validate (strict: unknown fields fail) for the oldest and newest Kubernetes the chart
-  claims; the custom resources (RayCluster, ServiceMonitor, PrometheusRule) against the JSON schemas
-  made from their CRDs, copied into tests/deploy/schemas/. Any other kind is a failure.
+  claims; the custom resources (RayCluster, ServiceMonitor, PrometheusRule, PodMonitor) against the
+  JSON schemas made from their CRDs, copied into tests/deploy/schemas/. Any other kind is a failure.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CRD_SCHEMAS = {
     ("ray.io/v1", "RayCluster"): "raycluster-ray-v1.json.gz",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json.gz",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json.gz",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring-v1.json.gz",
 }
 
 

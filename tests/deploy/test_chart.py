@@ -16,7 +16,7 @@ import pytest
 import yaml
 from chart_tools import CHART, NAMESPACE, RELEASE, ROOT, Rendered, validate, values_of
 
-from onpolicy.kernels.ascend.placement import K8S_NPU_RESOURCE, NPU_RESOURCE, k8s_resources, ray_start_params
+from onpolicy.services.cluster.placement import K8S_NPU_RESOURCE, NPU_RESOURCE, k8s_resources, ray_start_params
 
 PROFILES = {"default": (), "cpu": ("values-cpu.yaml",), "npu": ("values-npu.yaml",)}
 ALL_ON = {"metrics.serviceMonitor.enabled": True, "metrics.prometheusRule.enabled": True}

@@ -13,6 +13,7 @@ from onpolicy.models.checkpoint import LoadedModel, weights_sha256
 from onpolicy.parallel.mirrored import MirroredRolloutEngine
 from onpolicy.parallel.peers import PeerFailed
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
+from onpolicy.services.cluster.peers import ray_peers
 
 PROMPTS = [[1, 2, 3, 4, 5], [40, 41, 42], [100, 7, 9, 11, 13, 15]]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=5, ignore_eos=True)
@@ -32,7 +33,8 @@ def test_mirrored_rollout_equals_one_engine(ray_cluster: None, load_tiny: Callab
     state = {k: v + 0.01 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=v.dtype)
              for k, v in lm.model.state_dict().items()}
     single = RolloutEngine(lm, CONFIG)
-    with MirroredRolloutEngine(lm, CONFIG, tp=tp, ep=ep, model_ref=model, peer_options={"num_cpus": 1}) as par:
+    with MirroredRolloutEngine(lm, CONFIG, tp=tp, ep=ep, launch=ray_peers, model_ref=model,
+                               peer_options={"num_cpus": 1}) as par:
         assert len(par.peers.actors) == 1
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
         single.update_weights(state, 1)
@@ -45,8 +47,8 @@ def test_dead_peer_is_named_and_peers_end(ray_cluster: None, load_tiny: Callable
     import ray
 
     lm = load_tiny("tiny-qwen3", fresh=True)
-    par = MirroredRolloutEngine(lm, CONFIG, tp=2, model_ref="tiny-qwen3", peer_options={"num_cpus": 1},
-                                timeout_s=30.0)
+    par = MirroredRolloutEngine(lm, CONFIG, tp=2, launch=ray_peers, model_ref="tiny-qwen3",
+                                peer_options={"num_cpus": 1}, timeout_s=30.0)
     peer = par.peers.actors[0]
     ray.kill(peer)
     par.add_request(PROMPTS[0], PARAMS)

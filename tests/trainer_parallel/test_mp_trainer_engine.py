@@ -13,6 +13,7 @@ import torch
 
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.services.cluster.peers import ray_peers
 from onpolicy.trainer.checkpoint import CheckpointError, load_checkpoint
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainerConfig, TrainSample
 from onpolicy.trainer.engine import TrainerEngine
@@ -45,8 +46,8 @@ def test_sharded_trainer_matches_unsharded(ray_cluster: None, model: str, tp: in
                                            rollout_batches: Callable[[str], list[list[TrainSample]]],
                                            load_tiny: Callable[..., LoadedModel]) -> None:
     batches = rollout_batches(model)
-    with num_threads(1), ModelParallelEngine(load_tiny(model, fresh=True), TRAINER, tp=tp, ep=ep, model_ref=model,
-                                             threads_per_worker=1) as mp:
+    with num_threads(1), ModelParallelEngine(load_tiny(model, fresh=True), TRAINER, tp=tp, ep=ep, launch=ray_peers,
+                                             model_ref=model, threads_per_worker=1) as mp:
         one = TrainerEngine(load_tiny(model, fresh=True), TRAINER)
         assert mp.weights_sha256 == one.weights_sha256  # names the unsharded weights
         for a, b in zip(_logprobs(mp, batches[0]), _logprobs(one, batches[0]), strict=True):
@@ -98,7 +99,7 @@ def test_refused_calls_keep_the_world(ray_cluster: None, tmp_path: Path,
     batch = rollout_batches("tiny-qwen3")[0]
     other = TrainerEngine(load_tiny("tiny-qwen3-moe", fresh=True), TRAINER)
     foreign = load_checkpoint(other.save_checkpoint(tmp_path / "moe"))
-    with num_threads(1), ModelParallelEngine(load_tiny("tiny-qwen3", fresh=True), TRAINER, tp=2,
+    with num_threads(1), ModelParallelEngine(load_tiny("tiny-qwen3", fresh=True), TRAINER, tp=2, launch=ray_peers,
                                              model_ref="tiny-qwen3", threads_per_worker=1) as mp:
         with pytest.raises(ValueError, match="minibatches"):
             mp.train_step(batch, LossConfig(minibatches=len(batch) + 1), OPT)

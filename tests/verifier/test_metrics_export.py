@@ -12,7 +12,7 @@ from verifier_support import KV_TILE, MODEL, parse, scrape, value
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.services.verifier.exporter import MetricsEndpoint, MetricsHub
-from onpolicy.verification.metrics import VerifierMetrics
+from onpolicy.services.verifier.metrics import VerifierMetrics
 
 
 class Clock:

@@ -90,6 +90,8 @@ data:
 {{- define "onpolicy.commonEnv" -}}
 - name: ONPOLICY_HOME
   value: {{ .Values.onpolicyHome | quote }}
+- name: HOME
+  value: /tmp
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 {{- if .Values.ray.auth.enabled }}
@@ -134,7 +136,11 @@ spec:
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $root.Values.podSecurityContext }}
+  {{- $podSecurity := deepCopy (default (dict) $root.Values.podSecurityContext) -}}
+  {{- if and (gt $npus 0) $root.Values.npu.deviceGroups }}
+  {{- $_ := set $podSecurity "supplementalGroups" $root.Values.npu.deviceGroups }}
+  {{- end }}
+  {{- with $podSecurity }}
   securityContext:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -142,6 +148,10 @@ spec:
     - name: {{ .container }}
       image: {{ include "onpolicy.imageRef" (dict "image" $image "root" $root) | quote }}
       imagePullPolicy: {{ $image.pullPolicy }}
+      {{- with $root.Values.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- with .ports }}
       ports:
         {{- toYaml . | nindent 8 }}
@@ -157,6 +167,8 @@ spec:
           mountPath: {{ $root.Values.onpolicyHome }}
         - name: dshm
           mountPath: /dev/shm
+        - name: tmp
+          mountPath: /tmp
         {{- if gt $npus 0 }}
         {{- range $i, $p := $root.Values.npu.driverHostPaths }}
         - name: npu-driver-{{ $i }}
@@ -176,6 +188,8 @@ spec:
         {{- with $g.shmSize }}
         sizeLimit: {{ . }}
         {{- end }}
+    - name: tmp
+      emptyDir: {}
     {{- if gt $npus 0 }}
     {{- range $i, $p := $root.Values.npu.driverHostPaths }}
     - name: npu-driver-{{ $i }}
@@ -198,7 +212,7 @@ spec:
 {{- end -}}
 
 {{/* Container resources of a Ray group: its cpu/memory plus equal NPU requests and limits (the
-     device plugin needs them equal; kernels/ascend/placement.py k8s_resources). */}}
+     device plugin needs them equal; services/cluster/placement.py k8s_resources). */}}
 {{- define "onpolicy.resources" -}}
 {{- $g := .group -}}
 {{- $npus := int (default 0 $g.npus) -}}

@@ -1,4 +1,5 @@
-"""``VerifierMetrics``: the verifier's Prometheus metrics, in a registry of its own.
+"""``VerifierMetrics``: the verifier's Prometheus metrics, in a registry of its own (the
+``onpolicy.verification.sink.VerificationSink`` the verifier service hands its ``Verifier``).
 
 Each verifier owns a ``prometheus_client.CollectorRegistry`` (never the global one), so several
 verifiers in one process do not collide; ``registry`` is what an HTTP exporter serves. Values are

@@ -1,4 +1,5 @@
-"""Placement of services on Ascend NPUs: Ray resources, device visibility, Kubernetes requests.
+"""Placement of role services and their peer ranks: Ray resources (CPUs, Ascend NPUs), device
+visibility, Kubernetes requests.
 
 Ray (>= 2.10) knows Ascend NPUs as the accelerator resource ``NPU`` and sets
 ``ASCEND_RT_VISIBLE_DEVICES`` for every task or actor that requests it, so inside an actor the
@@ -81,7 +82,7 @@ def local_device(index: int = 0) -> str:
 
 def assigned_npu_ids() -> list[str]:
     """Inside a Ray task/actor: the physical NPU ids Ray assigned to it (empty outside Ray)."""
-    import ray  # lazy: placement helpers are usable without a Ray runtime
+    import ray  # lazy: the other placement helpers need no Ray
 
     if not ray.is_initialized():
         return []
