@@ -18,12 +18,13 @@ import random
 import statistics
 import time
 
-from onpolicy.kernels import KernelConfig
+from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.selftest import num_threads
+from onpolicy.models.registry import load_model
 from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
 from onpolicy.services.cluster.peers import ray_peers
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainerConfig, TrainSample
-from onpolicy.trainer.data_parallel import DataParallelEngine, load_model
+from onpolicy.trainer.data_parallel import DataParallelEngine
 from onpolicy.trainer.forward import ScoredSequence, pack
 
 
@@ -45,7 +46,7 @@ def main() -> None:
     try:
         for degree in (int(d) for d in args.degrees.split(",")):
             with num_threads(args.threads):
-                lm = load_model(args.model, kernels)
+                lm = load_model(args.model, get_backend(kernels))
                 rng = random.Random(0)  # the same batch at every degree
                 vocab = lm.config.vocab_size
                 seqs = [ScoredSequence(tuple(rng.randrange(vocab) for _ in range(args.prompt_len)),
