@@ -41,12 +41,25 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def private_dirs(directory: Path) -> None:
+    """``directory`` and every missing parent of it made 0700 (``mkdir(parents=True, mode=…)`` gives
+    the mode to the last level only); directories that exist keep theirs."""
+    missing = []
+    d = Path(directory)
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        m.mkdir(mode=0o700, exist_ok=True)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one; the
     file is 0600 and a directory made for it 0700 (weights, checkpoints and job state are private)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        os.fchmod(f.fileno(), 0o600)  # a leftover tmp file keeps its old mode through O_CREAT
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -29,11 +29,14 @@ def checkpoint_root(source: str, state_dir: Path) -> Path:
     record = state_dir / "jobs" / source / "job.json"
     if not record.is_file():
         fail(f"{source}: neither a checkpoint directory nor a job in {state_dir}")
+    from onpolicy.jobs.spec import parse_spec
+    from onpolicy.services.jobs.paths import job_root
+
     try:
-        spec = json.loads(record.read_text())["spec"]
-    except (OSError, ValueError, KeyError) as e:
+        spec = parse_spec(json.loads(record.read_text())["spec"])
+    except (OSError, ValueError, KeyError) as e:  # SpecError is a ValueError
         fail(f"{record}: unreadable job record ({e})")
-    return Path(spec.get("checkpoint", {}).get("dir") or record.parent) / "checkpoints"
+    return job_root(spec, source, record.parent) / "checkpoints"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -228,7 +228,8 @@ class RolloutSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     dir: str = ""
-    """Shared storage for checkpoints and weight versions (default: under the controller's state dir)."""
+    """Shared storage for checkpoints and weight versions: the job writes under ``dir/<job id>/``
+    (default: its work dir under the controller's state dir)."""
     interval: int = Field(1, ge=0)
     """Checkpoint every ``interval`` steps, besides step 0 and the last step (0 = only those). A job
     resumed after a lost service or a controller restart continues from its latest checkpoint, so

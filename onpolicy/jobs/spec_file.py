@@ -1,7 +1,8 @@
 """Reading a job spec file (``onpolicy submit job.yaml``) with bounds: at most ``MAX_SPEC_BYTES``
 read (a larger file is refused before it is parsed), YAML nested at most ``MAX_SPEC_DEPTH`` levels
-(deeper is refused with its line and column, never a ``RecursionError``), and a key given twice in
-one mapping refused with the line and column of its second occurrence — never "the last one wins".
+(deeper is refused with its line and column, never a ``RecursionError``), no aliases (``*name``: a
+few lines of nested aliases expand to millions of nodes), and a key given twice in one mapping
+refused with the line and column of its second occurrence — never "the last one wins".
 
 Every refusal is a ``SpecError`` on the field ``file`` whose one-line message names the file.
 """
@@ -22,7 +23,7 @@ MAX_SPEC_DEPTH = 64
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with a nesting bound and duplicate keys refused."""
+    """``yaml.SafeLoader`` with a nesting bound, aliases and duplicate keys refused."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -33,6 +34,9 @@ class _SpecLoader(yaml.SafeLoader):
         try:
             if self._depth > MAX_SPEC_DEPTH:
                 raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_SPEC_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted in a job spec",
                                                   self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:

@@ -2,11 +2,12 @@
 
 There are no separate prefill and decode phases: a running request with ``k`` uncomputed tokens is
 given ``min(k, budget)`` of the step's ``max_batched_tokens`` (chunked prefill); a decoding request
-needs one, plus the tokens its ``drafter`` proposes when speculative decoding is on (only what the
-budget and the free pages allow without preempting anyone; ``onpolicy.rollout.speculative``).
-Waiting requests are admitted while ``max_num_seqs`` and the KV pages allow; when a running request
-cannot get a page, the most recently admitted one is preempted (its pages freed, recomputed later —
-bitwise harmless, since every kernel is invariant to the schedule).
+needs one. Waiting requests are admitted while ``max_num_seqs`` and the KV pages allow; when a
+running request cannot get a page, the most recently admitted one is preempted (its pages freed,
+recomputed later — bitwise harmless, since every kernel is invariant to the schedule). With
+speculative decoding on, the tokens a ``drafter`` proposes for each decoding request are added last,
+from the budget and the pages left once every request has its rows and the waiting ones are
+admitted: a draft never preempts or delays anyone (``onpolicy.rollout.speculative``).
 """
 
 from __future__ import annotations
@@ -91,10 +92,8 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break
-            draft = self._draft(seq, n, budget - n - (len(self.running) - i - 1))
-            n += len(draft)
             self.blocks.grow(seq, seq.num_computed + n)
-            out.append(ScheduledSeq(seq, seq.num_computed, n, draft))
+            out.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -108,17 +107,25 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
+        if self.drafter is not None:
+            self._add_drafts(out, budget)
         return SchedulerOutput(out, preempted)
 
-    def _draft(self, seq: Sequence, n: int, spare: int) -> tuple[int, ...]:
-        """The drafter's tokens for a decoding ``seq``, cut to the ``spare`` budget (what is left once
-        every later running request has its one row) and dropped if they need a page nobody frees."""
-        if self.drafter is None or n != 1 or seq.num_to_compute != 1 or spare < 1:
-            return ()
-        draft = tuple(self.drafter(seq)[:spare])
-        if draft and not self.blocks.can_grow(seq, seq.num_computed + 1 + len(draft)):
-            return ()
-        return draft
+    def _add_drafts(self, out: list[ScheduledSeq], budget: int) -> None:
+        """Extend each decoding request's one row in ``out`` by its drafter's tokens, cut to the
+        ``budget`` left, dropped when they need a page that is not free."""
+        assert self.drafter is not None
+        for j, s in enumerate(out):
+            if budget < 1:
+                return
+            if s.num_tokens != 1 or s.seq.num_to_compute != 1:
+                continue
+            draft = tuple(self.drafter(s.seq)[:budget])
+            if not draft or not self.blocks.can_grow(s.seq, s.start + 1 + len(draft)):
+                continue
+            self.blocks.grow(s.seq, s.start + 1 + len(draft))
+            out[j] = ScheduledSeq(s.seq, s.start, 1 + len(draft), draft)
+            budget -= len(draft)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

@@ -37,7 +37,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
-from onpolicy.weights import atomic_write_bytes
+from onpolicy.weights import atomic_write_bytes, private_dirs
 
 FORMAT = 1
 LATEST = "latest"
@@ -115,7 +115,7 @@ def save_checkpoint(root: str | os.PathLike[str], state: CheckpointState) -> Pat
     """Write ``state`` as ``root/step-NNNNNN`` and point ``root/latest`` at it; returns the step
     directory. Checkpoints are immutable: saving a step that already exists is an error."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dirs(root)
     name = step_dir_name(state.step)
     final = root / name
     if final.exists():

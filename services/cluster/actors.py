@@ -5,8 +5,8 @@ Metrics: given a ``MetricsHub`` (``onpolicy up --metrics-port``), the launcher h
 also serve its ``/metrics`` on an ephemeral port of its host, registers those URLs with the hub
 for the job's lifetime, and retires them (final snapshot) before the actors are killed — see
 ``services.verifier.exporter``. The verifier's mismatch store goes to
-``<checkpoint dir or the job's work dir>/mismatches`` (``$ONPOLICY_HOME/mismatches`` when the
-launcher knows neither).
+``<the job's directory>/mismatches`` (``services.jobs.paths.job_root``; ``$ONPOLICY_HOME/mismatches``
+when the launcher knows none).
 
 Restarts: every actor is created with ``max_restarts`` (``onpolicy up --max-restarts``, default 3).
 A restarted actor builds a fresh role server on a new port; the stubs the launcher yields carry a
@@ -210,13 +210,6 @@ class RayLauncher:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.max_restarts = max_restarts
 
-    def mismatch_dir(self, job_id: str, spec: JobSpec) -> str:
-        if spec.checkpoint.dir:
-            return str(Path(spec.checkpoint.dir) / "mismatches")
-        if self.state_dir is not None:
-            return str(self.state_dir / "jobs" / job_id / "mismatches")
-        return ""
-
     def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any], token: str) -> RoleStubs:
         """Stubs to the actors' current addresses (closing the channels of a previous connection),
         authenticated with the job's own role ``token``."""
@@ -259,12 +252,14 @@ class RayLauncher:
 
         remote = _remote_class()
         token = new_role_token()  # in memory only: the actors' arguments and this job's channels
-        if job_dir is None:
-            job_dir = spec.checkpoint.dir or (self.state_dir / "jobs" / job_id if self.state_dir else "")
+        if job_dir is None and (spec.checkpoint.dir or self.state_dir is not None):
+            from ..jobs.paths import job_root
+
+            job_dir = job_root(spec, job_id, self.state_dir / "jobs" / job_id if self.state_dir else "")
         job_dir = str(Path(job_dir).absolute()) if job_dir else ""
         actors = {}
         channels: list[Any] = []
-        mismatch_dir = self.mismatch_dir(job_id, spec)
+        mismatch_dir = str(Path(job_dir) / "mismatches") if job_dir else ""
         try:
             for role in ROLES:
                 res = spec.resources_for(role)

@@ -355,7 +355,7 @@ class JobController:
             for note in notes:
                 self._emit(job, JobEvent(job_id=rec.job_id, step=rec.step, state=JobState.PENDING, message=note))
             workdir = self.store.job_dir(rec.job_id)
-            with self.launcher.launch(rec.job_id, spec, job_root(spec, workdir)) as stubs:
+            with self.launcher.launch(rec.job_id, spec, job_root(spec, rec.job_id, workdir)) as stubs:
                 if job.cancel.is_set():
                     raise Cancelled()
                 loop = GRPOLoop(rec.job_id, spec, stubs, inputs, Path(workdir), lambda ev: self._emit(job, ev),

@@ -98,8 +98,8 @@ class GRPOLoop:
     def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, inputs: JobInputs, workdir: Path,
                  on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
         self.job_id, self.spec, self.stubs, self.inputs = job_id, spec, stubs, inputs
-        self.weights_dir = job_root(spec, workdir) / "weights"
-        self.ckpt_dir = job_root(spec, workdir) / "checkpoints"
+        root = job_root(spec, job_id, workdir)
+        self.weights_dir, self.ckpt_dir = root / "weights", root / "checkpoints"
         self.on_event, self.should_stop = on_event, should_stop
         self.weight_version = 0
         self._rollout_fingerprint: str | None = None

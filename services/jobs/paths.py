@@ -64,11 +64,14 @@ def _check(field_name: str, value: str, roots: Sequence[Path], enforced: bool, m
             raise PathRefused(field_name, f"{value}: outside the roots this controller serves ({where})", denied=True)
 
 
-def job_root(spec: JobSpec, workdir: str | os.PathLike[str]) -> Path:
-    """The job's own directory, absolute: its ``checkpoint.dir``, else its work dir under the
-    controller's state. Its checkpoints and weight versions live there, and the job's trainer serves
-    no other place (``services.trainer.confine``)."""
-    return Path(spec.checkpoint.dir or workdir).absolute()
+def job_root(spec: JobSpec, job_id: str, workdir: str | os.PathLike[str]) -> Path:
+    """The job's own directory, absolute: ``checkpoint.dir/<job id>`` (so jobs sharing a
+    ``checkpoint.dir`` never share a directory), else its work dir under the controller's state. Its
+    checkpoints and weight versions live there, and the job's trainer serves no other place
+    (``services.trainer.confine``)."""
+    if spec.checkpoint.dir:
+        return Path(spec.checkpoint.dir).expanduser().absolute() / job_id
+    return Path(workdir).absolute()
 
 
 def check_paths(spec: JobSpec, roots: PathRoots) -> None:

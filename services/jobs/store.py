@@ -19,7 +19,7 @@ import os
 import threading
 from pathlib import Path
 
-from onpolicy.weights import atomic_write_bytes
+from onpolicy.weights import atomic_write_bytes, private_dirs
 
 from .records import JobEvent, JobRecord
 
@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 class JobStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        (self.root / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
-        for d in (self.root, self.root / "jobs"):
-            os.chmod(d, 0o700)
+        # made private where this store creates them; a state dir that exists (``--state-dir .``, a
+        # volume's root) keeps its owner's mode: ``jobs/`` below it is what guards the jobs
+        private_dirs(self.root / "jobs")
+        os.chmod(self.root / "jobs", 0o700)  # the store's own directory, also when an older one made it
         self._lock = threading.Lock()
 
     def job_dir(self, job_id: str) -> Path:

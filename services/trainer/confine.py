@@ -30,7 +30,7 @@ class JobConfinement:
     """The job the trainer serves ("" = any ``job_id`` in ``extra_json``)."""
 
     def directory(self, value: str, field: str = "directory") -> str:
-        """``value`` when it lies inside the job directory (see the module docstring)."""
+        """``value`` resolved, when it lies inside the job directory (see the module docstring)."""
         if not self.job_dir:
             return value
         path = Path(value)
@@ -42,7 +42,7 @@ class JobConfinement:
         real = os.path.realpath(path)
         if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
             raise PermissionDenied(f"{field}: {value} is outside this job's directory")
-        return value
+        return real  # the path checked, not one a symlink swapped in later could redirect
 
     def owner(self, extra_json: str, field: str = "extra_json.job_id") -> None:
         """PERMISSION_DENIED when ``extra_json`` names a job other than the trainer's own."""

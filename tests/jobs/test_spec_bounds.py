@@ -58,6 +58,16 @@ def test_duplicate_keys_are_refused_with_line_and_column(tmp_path: Path, capsys)
     assert str(e.value).endswith("at line 3, column 1: duplicate key 'model'")
 
 
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path: Path, capsys) -> None:
+    """Nine lines of nested aliases would expand to 10^9 nodes (the billion laughs)."""
+    laughs = tmp_path / "laughs.yaml"
+    lines = ["model: tiny-qwen3", 'a0: &a0 ["lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    laughs.write_text("\n".join(lines) + "\n")
+    line = one_line_error(["submit", str(laughs), "--address", "127.0.0.1:1"], capsys)
+    assert "aliases (*name) are not accepted" in line and "line 3, column 10" in line, line
+
+
 def test_an_oversized_spec_file_is_refused_unread(tmp_path: Path, capsys) -> None:
     big = tmp_path / "big.yaml"
     with open(big, "wb") as f:  # sparse: 100 MB that costs no disk

@@ -86,3 +86,41 @@ def test_no_server_path_is_a_metrics_label(tmp_path: Path, tiny_paths) -> None:
     controller.resume_unfinished()
     labels = [s.labels for fam in ControllerMetrics(controller).collect() for s in fam.samples]
     assert labels and all(lab["model"] == Path(model_dir).name for lab in labels)
+
+
+def test_private_modes_survive_a_leftover_tmp_and_reach_new_parents(tmp_path: Path, open_umask) -> None:
+    from onpolicy.weights import atomic_write_bytes
+
+    target = tmp_path / "shared" / "ck" / "job1" / "weights" / "w.safetensors"
+    target.parent.mkdir(parents=True)
+    leftover = target.with_name(f".{target.name}.tmp{os.getpid()}")  # an interrupted write's, world-readable
+    leftover.write_bytes(b"old")
+    os.chmod(leftover, 0o644)
+    atomic_write_bytes(target, b"new")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_bytes() == b"new"
+    fresh = tmp_path / "new-volume" / "a" / "b" / "w.bin"
+    atomic_write_bytes(fresh, b"x")
+    assert [stat.S_IMODE(d.stat().st_mode) for d in (fresh.parent, fresh.parent.parent, fresh.parent.parent.parent)
+            ] == [0o700] * 3
+
+
+def test_an_existing_state_dir_keeps_its_mode(tmp_path: Path, open_umask) -> None:
+    shared = tmp_path / "home"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    JobStore(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755  # not the store's to change
+    assert stat.S_IMODE((shared / "jobs").stat().st_mode) == 0o700
+
+
+def test_jobs_sharing_a_checkpoint_dir_get_their_own_directories(tmp_path: Path) -> None:
+    from onpolicy.jobs.spec import parse_spec
+    from onpolicy.services.jobs.paths import job_root
+
+    spec = parse_spec({"model": "tiny-qwen3", "checkpoint": {"dir": str(tmp_path / "ck")}})
+    a, b = job_root(spec, "jobA", tmp_path / "state/jobs/jobA"), job_root(spec, "jobB", tmp_path / "state/jobs/jobB")
+    assert a == tmp_path / "ck" / "jobA" and b == tmp_path / "ck" / "jobB"
+    home = parse_spec({"model": "tiny-qwen3", "checkpoint": {"dir": "~/ck"}})
+    assert job_root(home, "j", tmp_path) == Path.home() / "ck" / "j"  # ~ expanded, as the path check does
+    plain = parse_spec({"model": "tiny-qwen3"})
+    assert job_root(plain, "j", tmp_path / "state/jobs/j") == tmp_path / "state/jobs/j"

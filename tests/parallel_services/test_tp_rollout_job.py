@@ -32,6 +32,6 @@ def test_rollout_tp2_job_matches_tp1_bit_for_bit(job_service: object, tmp_path: 
         steps = [e for e in events if e.weight_version]
         assert [e.weight_version for e in steps] == [1, 2]
         assert all(e.logdiff_max == 0.0 and e.tokens_mismatched == 0 and e.tokens_checked > 0 for e in steps)
-    final = [load_file(tmp_path / f"tp{tp}" / "weights" / "weights-v000002.safetensors") for tp in (2, 1)]
+    final = [load_file(tmp_path / f"tp{tp}" / jobs[tp] / "weights" / "weights-v000002.safetensors") for tp in (2, 1)]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])

@@ -156,3 +156,19 @@ def test_negative_control_fast_kernels_change_the_bits(load_tiny) -> None:
     assert engine.stats().spec_accepted > 0
     assert not same_bits(plain, spec)
 
+
+
+def test_stop_tokens_met_inside_accepted_drafts(load_tiny) -> None:
+    """A repetitive greedy completion, stopped at each of its first tokens in turn: most tokens come
+    from accepted drafts, so stops land inside them; the output ends at the stop token as plain
+    decoding's does, with the same bits."""
+    lm = sharp(load_tiny, "tiny-qwen3")
+    prompt = prompts_for(lm.config.vocab_size, 1)[0]
+    full, engine = run(lm, [prompt], GREEDY, NGRAM)
+    assert engine.stats().spec_accepted * 2 >= len(full[0].token_ids)
+    for stop in dict.fromkeys(full[0].token_ids[1:12]):
+        params = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=(stop,), ignore_eos=True)
+        plain, _ = run(lm, [prompt], params)
+        spec, _ = run(lm, [prompt], params, NGRAM)
+        assert plain[0].finish_reason == spec[0].finish_reason == "stop" and plain[0].token_ids[-1] == stop
+        assert same_bits(plain, spec)

@@ -35,7 +35,7 @@ def test_multi_rank_trainer_job_has_logdiff_zero(job_service: object, tmp_path: 
     steps = [e for e in events if e.weight_version]
     assert [e.weight_version for e in steps] == [1, 2]
     assert all(e.logdiff_max == 0.0 and e.tokens_mismatched == 0 and e.tokens_checked > 0 for e in steps)
-    exported = load_file(tmp_path / "weights" / "weights-v000002.safetensors")
-    state = load_checkpoint(tmp_path / "checkpoints")
+    exported = load_file(tmp_path / job_id / "weights" / "weights-v000002.safetensors")
+    state = load_checkpoint(tmp_path / job_id / "checkpoints")
     assert state.step == 2 and state.model.keys() == exported.keys()
     assert all(torch.equal(state.model[k], exported[k]) for k in exported)

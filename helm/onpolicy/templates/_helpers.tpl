@@ -92,6 +92,11 @@ data:
   value: {{ .Values.onpolicyHome | quote }}
 - name: HOME
   value: /tmp
+{{- /* CANN's compiled-kernel caches, otherwise written under the (read-only) working directory */}}
+- name: ASCEND_CACHE_PATH
+  value: {{ printf "%s/ascend-cache" .Values.onpolicyHome | quote }}
+- name: ASCEND_WORK_PATH
+  value: {{ printf "%s/ascend-work" .Values.onpolicyHome | quote }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 {{- if .Values.ray.auth.enabled }}
