@@ -40,13 +40,14 @@ CURVES = [("reward_mean", "reward"), ("eval_accuracy", "eval accuracy (greedy, h
 
 
 def base_spec(model: str, steps: int, dtype: str, seed: int, lr: float) -> dict[str, Any]:
-    return {"name": "mismatch", "model": model, "steps": steps, "seed": seed,
-            "dataset": {"kind": "arithmetic", "size": 256, "max_operand": 20, "seed": seed, "eval_size": 64},
-            "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "length_penalty", "weight": 0.1}],
-            "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": lr},
-            "rollout": {"temperature": 1.0, "max_new_tokens": 24},
-            "kernels": {"dtype": dtype}, "checkpoint": {"interval": 0, "keep_last": 1},
-            "eval": {"interval": max(1, steps // 5)}}
+    """The demo job (``onpolicy.jobs.demo``: the task and sizes measured to learn) at ``dtype``, with
+    enough training problems for ``steps`` and the eval split scored five times."""
+    from onpolicy.jobs.demo import demo_spec
+
+    spec = demo_spec(model, steps, lr=lr, seed=seed)
+    return merge(spec, {"name": "mismatch", "kernels": {"dtype": dtype}, "checkpoint": {"keep_last": 1},
+                        "dataset": {"size": max(64, steps * spec["grpo"]["prompts_per_step"])},
+                        "eval": {"interval": max(1, steps // 5)}})
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     p.add_argument("--out", default="docs/experiments", help="where the plot goes")
     p.add_argument("--results", default="bench/results", help="where the raw JSON goes")

@@ -84,10 +84,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_controller_args(p, "jobs: ")
     add_metrics_args(p, "this service (jobs: every job's services, merged)")
     p.set_defaults(func=serve)
+    from onpolicy.jobs.demo import DEMO_LR, DEMO_STEPS
+
     p = sub.add_parser("demo", help="run a GRPO job end to end on this machine (Ray, gRPC services, verifier)")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    p.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"GRPO steps (default {DEMO_STEPS})")
+    p.add_argument("--lr", type=float, default=DEMO_LR, help=f"learning rate (default {DEMO_LR:g})")
     p.add_argument("--seed", type=int, default=0, help="the job's sampling seed (default 0)")
     p.add_argument("--kernels", choices=["consistent", "fast"], default="consistent",
                    help="rollout kernels: fast shows the verifier catching a mismatch")
@@ -318,23 +320,12 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_spec(model: str, steps: int, kernels: str, engine: str = "onpolicy", lr: float = 1e-5,
-              seed: int = 0) -> dict[str, Any]:
-    """The demo job (examples/jobs/demo.yaml with the model, steps, rollout kernels, learning rate and
-    seed given): the eval split is scored before the first step and after the last."""
-    return {"name": "demo", "model": model, "steps": steps, "seed": seed,
-            "dataset": {"kind": "arithmetic", "size": 64, "max_operand": 20, "seed": 0, "eval_size": 32},
-            "rewards": [{"name": "exact_answer", "weight": 1.0}, {"name": "length_penalty", "weight": 0.1}],
-            "grpo": {"group_size": 4, "prompts_per_step": 4, "lr": lr},
-            "rollout": {"temperature": 1.0, "max_new_tokens": 24, "kernels": kernels, "engine": engine},
-            "eval": {"interval": steps}}
-
-
 def demo(args: argparse.Namespace) -> int:
     import secrets
 
     import grpc
 
+    from onpolicy.jobs.demo import demo_spec
     from onpolicy.jobs.spec import SpecError, parse_spec
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
