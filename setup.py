@@ -63,6 +63,6 @@ for name, folder in ROOTS.items():
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
 setup(packages=packages, package_dir=package_dir, include_package_data=True,
-      package_data={"onpolicy.services.generated.onpolicy.v1": ["*.pyi"], "onpolicy.kernels.native": ["*.c", "*.h"],
+      package_data={"onpolicy.services.generated.onpolicy.v1": ["*.pyi"], "onpolicy.kernels.cpu": ["*.c", "*.h"],
                     "onpolicy.bench": ["*.c"]},
       cmdclass={"build_py": BuildPyWithProtos})

@@ -64,9 +64,9 @@ def run_arm(arm: str, spec: dict[str, Any], state: Path) -> list[dict[str, Any]]
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.server import ServerConfig
-    from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.convert import event_dict, spec_to_proto
-    from onpolicy.services.jobs.servicer import jobs_server
+    from onpolicy.services.controller.controller import JobController
+    from onpolicy.services.controller.convert import event_dict, spec_to_proto
+    from onpolicy.services.controller.servicer import jobs_server
 
     token = secrets.token_urlsafe(16)
     controller = JobController(state / arm, RayLauncher(token=token, state_dir=state / arm))

@@ -1,5 +1,5 @@
 """``onpolicy bench gemm`` (also ``python -m onpolicy.bench.gemm``): GFLOP/s of the reference
-backend's linear kernel (``rowdot``, ``kernels/native/rowdot.c``) against ``torch.mm`` (MKL), the
+backend's linear kernel (``rowdot``, ``kernels/cpu/rowdot.c``) against ``torch.mm`` (MKL), the
 measured FMA peak, and a candidate single-chain order (``bench/outer_gemm.c``).
 
 Shapes are SmolLM2-135M's linears (``K x N``: 576x576 q/o, 576x1536 gate/up, 1536x576 down, and the
@@ -7,7 +7,7 @@ Shapes are SmolLM2-135M's linears (``K x N``: 576x576 q/o, 576x1536 gate/up, 153
 weights (fp32 activations), on 1 and 2 threads. Timed for each:
 
 - ``rowdot``: the weight as torch holds it (``[N, K]``); ``rowdot_packed``: the packed copy a decode
-  step reads (``native.pack``);
+  step reads (``cpu.pack``);
 - ``torch_mm``: ``torch.mm`` on the fp32 weight (torch's bf16 GEMM is far slower on CPUs without bf16
   instructions, so the fp32 GEMM is the fair baseline);
 - ``outer``: the candidate, each output ONE fused multiply-add chain over k in order from +0, as an
@@ -53,12 +53,12 @@ DECODE_ROWS = 8
 
 def fma_peak(threads: int) -> float:
     """GFLOP/s of ``bench/fma_peak.c`` on ``threads`` threads."""
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     src = Path(__file__).with_name("fma_peak.c")
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "fma_peak"
-        subprocess.run([native.compiler(), "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
+        subprocess.run([cpu.compiler(), "-O2", "-fopenmp", str(src), "-o", str(exe)], check=True)
         out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
     return float(out.split()[0])
 
@@ -71,19 +71,19 @@ def outer_library() -> ctypes.CDLL:
     """``bench/outer_gemm.c`` built with the native kernels' flags (and torch's OpenMP runtime)."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     src = Path(__file__).with_name("outer_gemm.c")
     out = Path(tempfile.mkdtemp(prefix="onpolicy-outer-gemm-")) / "outer_gemm.so"
     torch_lib = Path(torch.__file__).parent / "lib"
-    subprocess.run([native.compiler(), *native.CFLAGS, str(src), "-o", str(out), f"-L{torch_lib}",
+    subprocess.run([cpu.compiler(), *cpu.CFLAGS, str(src), "-o", str(out), f"-L{torch_lib}",
                     f"-Wl,-rpath,{torch_lib}", "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.outer_gemm_portable.argtypes = [_PTR, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _I64, _I64]
     lib.outer_gemm_portable.restype = None
     lib.outer_pack.argtypes = [_PTR, _INT, _I64, _I64, _I64, _PTR]
     lib.outer_pack.restype = None
-    if native.vector_path():  # the AVX2 entry points exist in x86 builds only
+    if cpu.vector_path():  # the AVX2 entry points exist in x86 builds only
         lib.outer_gemm_avx2.argtypes = [_PTR, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _I64, _I64, _INT]
         lib.outer_gemm_avx2.restype = _INT
         lib.outer_gemv_packed.argtypes = [_PTR, _I64, _PTR, _INT, _I64, _PTR, _I64, _I64, _I64, _INT]
@@ -96,13 +96,13 @@ def outer_gemm(x: Tensor, w: Tensor, *, portable: bool = False, threads: int = 1
     AVX2 path, or the portable one when asked or when this CPU has no AVX2+FMA."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n)
     bf16 = int(w.dtype == torch.bfloat16)
-    if portable or not native.vector_path():
+    if portable or not cpu.vector_path():
         outer_library().outer_gemm_portable(x.data_ptr(), k, w.data_ptr(), bf16, k, k, y.data_ptr(), n, m, n)
     elif outer_library().outer_gemm_avx2(x.data_ptr(), k, w.data_ptr(), bf16, k, k, y.data_ptr(), n, m, n,
                                          threads):
@@ -124,9 +124,9 @@ def outer_gemv_packed(x: Tensor, packed: Tensor, n: int, *, threads: int = 1) ->
     """``outer_gemm(x, w)`` from ``outer_pack(w)`` (``n`` rows of w), one row of x at a time (AVX2 only)."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
-    if not native.vector_path():
+    if not cpu.vector_path():
         raise RuntimeError("outer_gemv_packed runs on the AVX2 path only")
     m, k = x.shape
     y = torch.empty(m, n)
@@ -140,7 +140,7 @@ def check_outer_bits(x: Tensor, w: Tensor, packed: Tensor) -> list[str]:
     expected); and whether they differ from rowdot's order (expected: another order)."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     full = outer_gemm(x, w, threads=2)
     fails = []
@@ -150,12 +150,12 @@ def check_outer_bits(x: Tensor, w: Tensor, packed: Tensor) -> list[str]:
         "1 thread": lambda: torch.equal(outer_gemm(x, w, threads=1), full),
         "packed decode": lambda: torch.equal(outer_gemv_packed(x[:4], packed, w.shape[0], threads=2), full[:4]),
     }
-    if not native.vector_path():  # one path only: nothing to compare it with but rowdot
+    if not cpu.vector_path():  # one path only: nothing to compare it with but rowdot
         checks = {}
     for name, same in checks.items():
         if not same():
             fails.append(name)
-    if torch.equal(native.rowdot(x, w), full):
+    if torch.equal(cpu.rowdot(x, w), full):
         fails.append("identical to rowdot's order (expected to differ)")
     return fails
 
@@ -200,12 +200,12 @@ def kernels(x: Tensor, w: Tensor, packed: list[tuple[Tensor, int]] | None, opack
     transposed, as ``F.linear`` reads it), the candidate (plain; packed for a decode step's rows)."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     wf, n = w.float(), w.shape[0]
-    fns: dict[str, Callable[[], object]] = {"rowdot": lambda: native.rowdot(x, w)}
+    fns: dict[str, Callable[[], object]] = {"rowdot": lambda: cpu.rowdot(x, w)}
     if packed is not None:
-        fns["rowdot_packed"] = lambda: native.rowdot_packed(x, packed)
+        fns["rowdot_packed"] = lambda: cpu.rowdot_packed(x, packed)
     fns["torch_mm"] = lambda: torch.mm(x, wf.t())
     fns["outer"] = lambda: outer_gemm(x, w, threads=threads)
     if x.shape[0] <= DECODE_ROWS:
@@ -218,7 +218,7 @@ def measure(threads: int, rows: tuple[int, ...]) -> list[dict[str, object]]:
     single-chain candidate (per-call packing, and the decode form on a copy packed once)."""
     import torch
 
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     from .common import log
 
@@ -229,7 +229,7 @@ def measure(threads: int, rows: tuple[int, ...]) -> list[dict[str, object]]:
         w32 = torch.randn(n, k, generator=gen) * k ** -0.5
         for wdtype in (torch.float32, torch.bfloat16):
             w = w32.to(wdtype)
-            packed = [(native.pack(w), n)] if native.packable(w) else None
+            packed = [(cpu.pack(w), n)] if cpu.packable(w) else None
             opacked = outer_pack(w)
             fails = check_outer_bits(torch.randn(64, k, generator=gen), w, opacked)
             if fails:
@@ -250,7 +250,7 @@ def measure(threads: int, rows: tuple[int, ...]) -> list[dict[str, object]]:
 def run_gemm(threads: list[int], rows: tuple[int, ...], command: str) -> Report:
     """The report of one run: a result per (shape, M, weight dtype, threads) — rowdot vs torch.mm —
     the peaks, the summary, and (``details.records``) every number."""
-    from onpolicy.kernels import native
+    from onpolicy.kernels import cpu
 
     from .common import Report, Result
 
@@ -268,7 +268,7 @@ def run_gemm(threads: list[int], rows: tuple[int, ...], command: str) -> Report:
         if "outer_packed" in r:
             note += f", single chain {r['outer_packed']:.1f}"
         report.results.append(Result(label, float(r["rowdot"]), float(r["torch_mm"]), "GFLOP/s", note))  # type: ignore[arg-type]
-    report.details = {"fma_peak_gflops": peaks, "vector_path": native.vector_path(), "summary": summary(records),
+    report.details = {"fma_peak_gflops": peaks, "vector_path": cpu.vector_path(), "summary": summary(records),
                       "loadavg_before_after": [load_before, os.getloadavg()], "records": records}
     report.seconds = time.perf_counter() - t0
     return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 
 from .common import median_time
 

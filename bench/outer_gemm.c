@@ -1,5 +1,5 @@
 /* A candidate order for the reference linear, measured by bench/gemm.py (not the contract's kernel,
- * which is kernels/native/rowdot.c): y[m, n] = ONE fused multiply-add chain over k = 0 .. K-1 in
+ * which is kernels/cpu/rowdot.c): y[m, n] = ONE fused multiply-add chain over k = 0 .. K-1 in
  * order, starting from +0. The chain does not depend on M, N, the tile or the threads, so the
  * vector and portable paths give the same bits (checked by the benchmark before it times anything).
  *
@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/native/native.h"
+#include "../kernels/cpu/native.h"
 
 #define PANEL 16 /* columns of w per packed panel (two 8-lane vectors) */
 #define MR 6     /* rows of x per register tile */

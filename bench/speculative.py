@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from onpolicy.cli.common import emit_json, fail
-    from onpolicy.models.checkpoint import CheckpointError
+    from onpolicy.models.loading import ModelLoadError
 
     try:
         batches = tuple(int(b) for b in args.batches.split(",") if b)
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_speculative(args.model, args.dtype, batches, workloads, args.prompt_len, args.new_tokens,
                                  args.num_speculative_tokens, args.rounds, command)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ModelLoadError, FileNotFoundError, ValueError) as e:
         fail(str(e).splitlines()[0])
     if args.json:
         emit_json(report.to_dict())

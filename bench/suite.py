@@ -14,7 +14,7 @@ import torch
 
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.config import dtype_of
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.models.registry import load_model
 
 from . import hf, roofline, vs_vllm

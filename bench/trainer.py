@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import SamplingParams
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainSample
 from onpolicy.trainer.engine import TrainerEngine

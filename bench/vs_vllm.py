@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import Completion, SamplingParams
 
 from .common import alternating

@@ -38,7 +38,7 @@ class KernelConfig:
     row_tile: int = 8
     """Rows of the Ascend backend's attention GEMMs are padded to a multiple of this, so one GEMM
     shape class serves every query count. The CPU reference needs no padding: its linears (rowdot)
-    and its attention (``kernels/native/attention.c``) fix their order of additions themselves."""
+    and its attention (``kernels/cpu/attention.c``) fix their order of additions themselves."""
     kv_tile: int = 64
     """Attention reduces over keys in blocks of this many positions, from position 0 ascending."""
     reduce_chunks: int = 4

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from .backend import Backend, MoERouting
 from .kv import AttentionBatch, KVSource
-from .reference.attention import group_queries, ungroup
-from .reference.elementwise import rmsnorm, rope
+from .spec.attention import group_queries, ungroup
+from .spec.elementwise import rmsnorm, rope
 
 
 class FastBackend(Backend):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from onpolicy.home import onpolicy_home
 
-from . import native
+from . import cpu
 from .backend import SINGLE, Backend, chunk_major, fold_chunks
 from .config import KernelConfig
 from .kv import AttentionBatch, ContiguousKV, PagedKV
@@ -343,24 +343,24 @@ def _native_paths_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult
     for m, n, k in ((1, 7, 5), (3, 33, 64), (5, 96, 97), (8, 193, 576), (70, 40, 129)):
         x = torch.randn(m, k, generator=gen).to(dtype)
         for w in (torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).bfloat16()):
-            got = native.rowdot(x, w)
+            got = cpu.rowdot(x, w)
             checked += 2
-            if not torch.equal(got, native.rowdot(x, w, portable=True)):
+            if not torch.equal(got, cpu.rowdot(x, w, portable=True)):
                 fails.append(f"vector vs portable {m}x{n}x{k} {w.dtype}")
-            if not torch.equal(got, native.rowdot(x, w, threads=1)):
+            if not torch.equal(got, cpu.rowdot(x, w, threads=1)):
                 fails.append(f"1 thread vs {torch.get_num_threads()} {m}x{n}x{k} {w.dtype}")
-    if native.vector_path():  # the packed weights a decode step reads (decoder_stack)
+    if cpu.vector_path():  # the packed weights a decode step reads (decoder_stack)
         for (m, n, k, c), wd in itertools.product(((1, 7, 32, 1), (3, 97, 64, 4), (4, 40, 576, 4)),
                                                   (dtype, torch.bfloat16)):
             x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(wd)
             chunks = w.view(n, c, k // c).transpose(0, 1).contiguous()
             round_bf16 = dtype == torch.bfloat16
-            want = native.rowdot_chunks(x, chunks, fold=True, round_bf16=round_bf16)
-            got = native.rowdot_packed(x, [(native.pack(w, c), n)], chunks=c, round_bf16=round_bf16)[0]
+            want = cpu.rowdot_chunks(x, chunks, fold=True, round_bf16=round_bf16)
+            got = cpu.rowdot_packed(x, [(cpu.pack(w, c), n)], chunks=c, round_bf16=round_bf16)[0]
             checked += 1
             if not torch.equal(got, want):
                 fails.append(f"packed {wd} vs rowdot {m}x{n}x{k}, {c} chunks")
-    path = "vector (AVX2+FMA)" if native.vector_path() else "portable only"
+    path = "vector (AVX2+FMA)" if cpu.vector_path() else "portable only"
     return ProbeResult("linear/rowdot-paths", not fails, checked, "; ".join(fails[:4]) or path)
 
 
@@ -368,8 +368,8 @@ def _native_rows_probe(dtype: torch.dtype, gen: torch.Generator) -> ProbeResult:
     """The other native kernels, likewise: attention (paged-style index, GQA, a partial last tile and
     a zero-padded lane block), RMSNorm and SwiGLU give the same bits on the vector and portable paths
     and on one thread or several; so does exp_ itself."""
-    from .native import attention as na
-    from .native import rowwise
+    from .cpu import attention as na
+    from .cpu import rowwise
 
     fails, checked = [], 0
 
@@ -487,7 +487,7 @@ def certificate_path(config: KernelConfig) -> Path:
     m = machine_info()
     parts = [m["processor"], m["cpu_capability"], m["torch"]]
     if config.backend == "reference":
-        parts.append(native.library_path().name)
+        parts.append(cpu.library_path().name)
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:10]
     return onpolicy_home() / "certificates" / f"{config.fingerprint}-{key}.json"
 

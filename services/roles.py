@@ -1,6 +1,6 @@
 """Start one role's gRPC server (rollout, trainer or verifier) from plain options — what a Ray
 actor, ``onpolicy serve ROLE`` or a pod runs — and, when asked, its Prometheus ``/metrics``
-endpoint (``role_metrics_registry``: one registry per service, see ``services.verifier.exporter``)."""
+endpoint (``role_metrics_registry``: one registry per service, see ``services.common.metrics_endpoint``)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class RoleServer:
     server: GrpcServer
     servicer: Any
     metrics: Any = None
-    """``services.verifier.exporter.MetricsEndpoint`` or None."""
+    """``services.common.metrics_endpoint.MetricsEndpoint`` or None."""
 
     def stop(self, grace: float | None = None) -> None:
         if self.metrics is not None:
@@ -158,7 +158,7 @@ def start_role(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: i
     server.start()
     endpoint = None
     if metrics_host is not None:
-        from .verifier.exporter import MetricsEndpoint
+        from .common.metrics_endpoint import MetricsEndpoint
 
         try:
             endpoint = MetricsEndpoint(registry, metrics_host, metrics_port)

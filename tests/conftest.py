@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Helpers shared by tests of several folders (``from doctor_support import …``) live in tests/support.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 if not os.environ.get("ONPOLICY_HOME"):
     os.environ["ONPOLICY_HOME"] = str(Path.home() / ".cache" / "onpolicy")
@@ -82,15 +86,26 @@ JOBS_TOKEN = secrets.token_urlsafe(16)
 
 
 @pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """An embedded Ray on loopback for one test module, with 8 logical CPUs: two jobs side by side,
+    one of them with peer ranks."""
+    from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
+
+    init_ray(num_cpus=8)
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
 def job_service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A JobService over gRPC whose controller launches every role as a Ray actor (``RayLauncher``) on the
-    ``ray_cluster`` fixture of the requesting test's directory."""
+    """A JobService over gRPC whose controller launches every role as a Ray actor (``RayLauncher``) on
+    ``ray_cluster``."""
     from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.server import ServerConfig
-    from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import jobs_server
+    from onpolicy.services.controller.controller import JobController
+    from onpolicy.services.controller.servicer import jobs_server
 
     controller = JobController(tmp_path_factory.mktemp("controller"), RayLauncher(token=JOBS_TOKEN))
     server = jobs_server(controller, ServerConfig(port=0, token=JOBS_TOKEN))

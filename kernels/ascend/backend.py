@@ -27,9 +27,9 @@ from torch import Tensor
 from ..backend import Backend, MoERouting
 from ..config import KernelConfig
 from ..kv import AttentionBatch, ContiguousKV, KVSource, PagedKV
-from ..reference import elementwise, moe
-from ..reference.attention import attention as reference_attention
-from ..reference.linear import pad_rows
+from ..spec import elementwise, moe
+from ..spec.attention import attention as reference_attention
+from ..spec.linear import pad_rows
 from . import vendor
 from .env import apply_deterministic_env, configure_torch_npu
 from .marshal import attention_args, block_row_tiles, scatter_rows

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from ..kv import AttentionBatch, KVSource
-from ..reference.attention import attention as reference_attention
-from ..reference.attention import tile_attention as reference_tile
-from ..reference.linear import pad_rows
+from ..spec.attention import attention as reference_attention
+from ..spec.attention import tile_attention as reference_tile
+from ..spec.linear import pad_rows
 
 
 def _bi():
@@ -57,11 +57,11 @@ def logprobs(hidden: Tensor, lm_head: Tensor, temperature: Tensor, row_tile: int
 
 
 def tile_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, kv_tile: int) -> Tensor:
-    """kernels.reference.attention.tile_attention's loop with vendor GEMMs and row sums."""
+    """kernels.spec.attention.tile_attention's loop with vendor GEMMs and row sums."""
     return reference_tile(q, k, v, pos, scale, kv_tile, matmul=lambda a, b: bmm(a.contiguous(), b.contiguous()),
                           row_sum=lambda t: row_sum(t, -1, False))
 
 
 def attention(q: Tensor, kv: KVSource, batch: AttentionBatch, scale: float, *, row_tile: int, kv_tile: int) -> Tensor:
-    """kernels.reference.attention.attention over :func:`tile_attention`."""
+    """kernels.spec.attention.attention over :func:`tile_attention`."""
     return reference_attention(q, kv, batch, scale, row_tile=row_tile, kv_tile=kv_tile, tile=tile_attention)

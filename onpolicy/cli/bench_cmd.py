@@ -113,13 +113,13 @@ def _setup(args: argparse.Namespace) -> Setup:
 
 def run_suite(args: argparse.Namespace) -> int:
     from onpolicy.bench.suite import run_suites
-    from onpolicy.models.checkpoint import CheckpointError
+    from onpolicy.models.loading import ModelLoadError
 
     setup = _setup(args)
     command = "onpolicy " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else f"onpolicy bench {args.bench}"
     try:
         report = run_suites(args.bench, args.model, setup, command)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (ModelLoadError, FileNotFoundError) as e:
         fail(str(e).splitlines()[0])
     if args.json:
         emit_json(report.to_dict())

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from onpolicy.kernels import KernelConfig
-    from onpolicy.models.checkpoint import LoadedModel
+    from onpolicy.models.loading import LoadedModel
 
 
 class UsageError(Exception):
@@ -66,12 +66,12 @@ def kernel_config(args: argparse.Namespace, kernels: str | None = None) -> Kerne
 
 def load(args: argparse.Namespace, config: KernelConfig) -> LoadedModel:
     from onpolicy.kernels import get_backend
-    from onpolicy.models.checkpoint import CheckpointError
+    from onpolicy.models.loading import ModelLoadError
     from onpolicy.models.registry import load_model
 
     try:
         return load_model(args.model, get_backend(config))
-    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         fail(str(e).splitlines()[0])
 
 

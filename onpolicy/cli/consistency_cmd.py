@@ -18,7 +18,7 @@ from .generate_cmd import check_engine_available
 
 if TYPE_CHECKING:
     from onpolicy.kernels import KernelConfig
-    from onpolicy.models.checkpoint import LoadedModel
+    from onpolicy.models.loading import LoadedModel
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

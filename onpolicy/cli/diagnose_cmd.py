@@ -45,7 +45,7 @@ def parse_ids(text: str, flag: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from onpolicy.models.checkpoint import CheckpointError
+    from onpolicy.models.loading import ModelLoadError
     from onpolicy.verification.doctor import diagnose, diagnose_sample
     from onpolicy.verification.doctor_paths import PathOptions
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             diag = diagnose(args.model, prompt=args.prompt, prompt_ids=prompt_ids, token_ids=token_ids,
                             rollout=rollout, trainer=trainer, temperature=args.temperature,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    except (CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (ModelLoadError, FileNotFoundError, ValueError, RuntimeError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if args.json:
         emit_json(diag.to_dict())

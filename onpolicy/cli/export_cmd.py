@@ -30,7 +30,7 @@ def checkpoint_root(source: str, state_dir: Path) -> Path:
     if not record.is_file():
         fail(f"{source}: neither a checkpoint directory nor a job in {state_dir}")
     from onpolicy.jobs.spec import parse_spec
-    from onpolicy.services.jobs.paths import job_root
+    from onpolicy.services.controller.paths import job_root
 
     try:
         spec = parse_spec(json.loads(record.read_text())["spec"])
@@ -40,8 +40,8 @@ def checkpoint_root(source: str, state_dir: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from onpolicy.models.checkpoint import CheckpointError as ModelError
     from onpolicy.models.hf_export import export_trained
+    from onpolicy.models.loading import ModelLoadError
     from onpolicy.trainer.checkpoint import CheckpointError, load_checkpoint
 
     from .up_cmd import default_state_dir
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         fail(str(e).splitlines()[0])
     try:
         out = export_trained(state.model, state.model_name, Path(args.hf))
-    except (FileExistsError, ModelError, OSError) as e:
+    except (FileExistsError, ModelLoadError, OSError) as e:
         fail(str(e).splitlines()[0])
     print(f"exported {state.model_name} at step {state.step} to {out}", file=sys.stderr)
     print(out)

@@ -14,7 +14,7 @@ from .common import add_model_args, emit_json, fail, kernel_config, load
 
 if TYPE_CHECKING:
     from onpolicy.kernels.truncation import Truncation
-    from onpolicy.models.checkpoint import LoadedModel
+    from onpolicy.models.loading import LoadedModel
     from onpolicy.rollout import EngineConfig
     from onpolicy.rollout.interface import Engine, EngineSnapshot
 

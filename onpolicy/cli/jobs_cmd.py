@@ -56,7 +56,7 @@ def format_event(ev: Any, steps: int | None = None) -> str:
 def stream_events(args: argparse.Namespace, stub: Any, job_id: str, steps: int | None = None) -> str:
     """Print events until the job ends; returns the final state name."""
     from onpolicy.services import api
-    from onpolicy.services.jobs.convert import event_dict
+    from onpolicy.services.controller.convert import event_dict
 
     final = "UNKNOWN"
     for resp in stub.WatchJob(api.jobs_pb2.WatchJobRequest(job_id=job_id)):
@@ -72,7 +72,7 @@ def stream_events(args: argparse.Namespace, stub: Any, job_id: str, steps: int |
 def submit(args: argparse.Namespace) -> int:
     from onpolicy.jobs.spec import SpecError, load_spec_file
     from onpolicy.services import api
-    from onpolicy.services.jobs.convert import spec_to_proto
+    from onpolicy.services.controller.convert import spec_to_proto
 
     try:
         spec = load_spec_file(args.spec)

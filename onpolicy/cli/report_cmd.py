@@ -42,7 +42,7 @@ def events_from_service(args: argparse.Namespace) -> list[dict[str, Any]]:
     import grpc
 
     from onpolicy.services import api
-    from onpolicy.services.jobs.convert import event_dict
+    from onpolicy.services.controller.convert import event_dict
 
     stub = job_stub(args)
     out: list[dict[str, Any]] = []

@@ -121,7 +121,7 @@ def start_metrics(registry: Any, args: argparse.Namespace) -> Any:
     """A ``MetricsEndpoint`` for ``registry`` when ``--metrics-port`` was given, else None."""
     if getattr(args, "metrics_port", None) is None:
         return None
-    from onpolicy.services.verifier.exporter import MetricsEndpoint
+    from onpolicy.services.common.metrics_endpoint import MetricsEndpoint
 
     if not 0 <= args.metrics_port < 65536:
         fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
@@ -180,8 +180,8 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
     they then advertise their node's IP)."""
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.cluster.local_ray import init_ray
-    from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import jobs_server
+    from onpolicy.services.controller.controller import JobController
+    from onpolicy.services.controller.servicer import jobs_server
 
     if max_restarts < 0:
         fail(f"--max-restarts must be >= 0, got {max_restarts}")
@@ -199,7 +199,7 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
                                allow_reward_modules=allow_reward_modules or (), max_running_jobs=max_running_jobs,
                                data_roots=data_roots or (), model_roots=model_roots or ())
     if metrics is not None:
-        from onpolicy.services.jobs.metrics import ControllerMetrics
+        from onpolicy.services.controller.metrics import ControllerMetrics
 
         metrics.registry.register(ControllerMetrics(controller))
     try:
@@ -253,7 +253,7 @@ def up(args: argparse.Namespace) -> int:
 def metrics_hub(args: argparse.Namespace) -> Any:
     if getattr(args, "metrics_port", None) is None:
         return None
-    from onpolicy.services.verifier.exporter import MetricsHub
+    from onpolicy.services.common.metrics_endpoint import MetricsHub
 
     return MetricsHub()
 
@@ -330,8 +330,8 @@ def demo(args: argparse.Namespace) -> int:
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.server import ServerConfig
-    from onpolicy.services.jobs.controller import check_inputs
-    from onpolicy.services.jobs.convert import spec_to_proto
+    from onpolicy.services.controller.controller import check_inputs
+    from onpolicy.services.controller.convert import spec_to_proto
 
     from .jobs_cmd import stream_events
     from .remote import rpc_error

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
 from onpolicy.kernels.backend import DenseLayer, DenseStack, ShardGroup, chunk_major
-from onpolicy.kernels.reference.moe import dispatch
+from onpolicy.kernels.spec.moe import dispatch
 from onpolicy.parallel.layout import ModelParallel, head_shard
 
 from .config import ModelConfig

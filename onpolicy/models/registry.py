@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from onpolicy.kernels import Backend
 
-from .checkpoint import LoadedModel, build_model, read_hf_dir, read_hf_tokenizer, weights_sha256
+from .loading import LoadedModel, build_model, read_hf_dir, read_hf_tokenizer, weights_sha256
 from .resolve import BUILTIN_MODELS, resolve_model
 from .tokenizer import Tokenizer
 

@@ -5,7 +5,7 @@ a tiny random checkpoint built on first use), a path (an HF directory with ``con
 ``.gguf`` file), or a Hugging Face id (``Qwen/Qwen3-0.6B``, optionally ``@revision``) looked up in the
 local Hugging Face cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``)
 through ``huggingface_hub`` with ``local_files_only``: nothing is downloaded. A reference that
-resolves nowhere is a ``CheckpointError`` saying where it looked.
+resolves nowhere is a ``ModelLoadError`` saying where it looked.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from .checkpoint import CheckpointError
+from .loading import ModelLoadError
 from .tiny import SPECS, tiny_checkpoint
 
 BUILTIN_MODELS = ["smollm2", *SPECS]
@@ -53,23 +53,23 @@ def resolve_model(ref: str) -> Path:
         try:
             return smollm2_gguf_path()
         except FileNotFoundError as e:
-            raise CheckpointError(str(e)) from None
+            raise ModelLoadError(str(e)) from None
     if ref in SPECS:
         return tiny_checkpoint(ref)
     path = Path(ref).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise CheckpointError(f"{ref}: a model file must be .gguf (or give an HF directory)")
+            raise ModelLoadError(f"{ref}: a model file must be .gguf (or give an HF directory)")
         return path
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{ref}: not an HF model directory (no config.json)")
+            raise ModelLoadError(f"{ref}: not an HF model directory (no config.json)")
         return path
     if _HUB_ID.match(ref):
         found = _from_hub_cache(ref)
         if found is not None:
             return found
-        raise CheckpointError(f"model {ref!r}: no such path, and not in the Hugging Face cache {hub_cache_dir()} "
+        raise ModelLoadError(f"model {ref!r}: no such path, and not in the Hugging Face cache {hub_cache_dir()} "
                               f"(offline; fetch it there first, e.g. `hf download {ref.partition('@')[0]}`)")
-    raise CheckpointError(f"unknown model {ref!r}: not one of {BUILTIN_MODELS}, no such path, "
+    raise ModelLoadError(f"unknown model {ref!r}: not one of {BUILTIN_MODELS}, no such path, "
                           "and not a Hugging Face id (org/name)")

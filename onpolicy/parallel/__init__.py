@@ -5,7 +5,7 @@
 (``ModelParallel``); ``launch`` runs one function on N local worker processes with timeouts;
 ``check`` is the multi-process consistency run (rollout and trainer at independent degrees).
 Weight sharding from a full state dict lives with the checkpoint code
-(``onpolicy.models.checkpoint.shard_state_dict``).
+(``onpolicy.models.loading.shard_state_dict``).
 """
 
 from .layout import Layout, ModelParallel, head_shard

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.models.loading import LoadedModel, weights_sha256
 from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 
 from .groups import DEFAULT_TIMEOUT_S

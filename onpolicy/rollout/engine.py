@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel, copy_weights_
+from onpolicy.models.loading import LoadedModel, copy_weights_
 
 from .block_manager import BlockManager
 from .interface import EngineSnapshot, generate, validate_request

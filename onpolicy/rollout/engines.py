@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 
 from .engine import EngineConfig
 from .names import ALIASES, ENGINES, OWN_ENGINE, VLLM, canonical

@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.models.config import ModelConfig
+from onpolicy.models.loading import LoadedModel
 
 from .sequence import Completion, SamplingParams
 

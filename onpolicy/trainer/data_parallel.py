@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.parallel.groups import init_loopback
 from onpolicy.parallel.launch import free_port
 from onpolicy.parallel.peers import Loader, PeerLauncher, peer_model

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from onpolicy.models.causal_lm import CausalLM
-from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.models.loading import LoadedModel, weights_sha256
 from onpolicy.models.sharding import REPLICATED, placement, shard_state_dict, unshard_state_dict
 from onpolicy.weights import WeightsRef, export_weights
 
@@ -138,7 +138,7 @@ class TrainerEngine:
 
     @property
     def weights_sha256(self) -> str:
-        """Checksum of the current weights (``onpolicy.models.checkpoint.weights_sha256``), cached per step."""
+        """Checksum of the current weights (``onpolicy.models.loading.weights_sha256``), cached per step."""
         if self._sha[0] != self.step:
             self._sha = (self.step, weights_sha256(self.full_state_dict()))
         return self._sha[1]

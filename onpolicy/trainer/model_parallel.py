@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S
 from onpolicy.parallel.layout import Layout
 from onpolicy.parallel.peers import Loader, PeerLauncher, sharded_peer_model, start_sharded

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import Completion, EngineConfig, SamplingParams
 from onpolicy.rollout.interface import Engine
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 

@@ -27,9 +27,9 @@ from torch import Tensor
 from onpolicy.kernels import KernelConfig, KVSource, get_backend
 from onpolicy.kernels.truncation import NONE, RowTruncation, Truncation
 from onpolicy.models.causal_lm import CausalLM
-from onpolicy.models.checkpoint import CheckpointError, LoadedModel, copy_weights_, weights_sha256
 from onpolicy.models.config import ModelConfig
 from onpolicy.models.context import AttentionContext
+from onpolicy.models.loading import LoadedModel, ModelLoadError, copy_weights_, weights_sha256
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.rollout.model_runner import ModelRunner, SampledToken
 from onpolicy.rollout.scheduler import SchedulerOutput
@@ -244,7 +244,7 @@ def load_path_model(loader: Loader, ref: str, setup: PathSetup) -> tuple[LoadedM
     model = copy.deepcopy(lm.model)
     try:
         copy_weights_(model, state)
-    except CheckpointError as e:
+    except ModelLoadError as e:
         raise ValueError(f"{setup.weights}: {e}") from e
     meta["file_sha256"] = file_sha256(setup.weights)
     return LoadedModel(lm.name, model, lm.tokenizer, lm.weights_sha256), weights_sha256(model.state_dict()), meta

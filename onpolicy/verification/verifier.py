@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from onpolicy.kernels.truncation import Truncation
-from onpolicy.models.checkpoint import LoadedModel, copy_weights_
+from onpolicy.models.loading import LoadedModel, copy_weights_
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
 from .logdiff import LogdiffStats

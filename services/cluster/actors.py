@@ -4,8 +4,8 @@ so the controller talks to it only over gRPC — and the same service could run 
 Metrics: given a ``MetricsHub`` (``onpolicy up --metrics-port``), the launcher has every actor
 also serve its ``/metrics`` on an ephemeral port of its host, registers those URLs with the hub
 for the job's lifetime, and retires them (final snapshot) before the actors are killed — see
-``services.verifier.exporter``. The verifier's mismatch store goes to
-``<the job's directory>/mismatches`` (``services.jobs.paths.job_root``; ``$ONPOLICY_HOME/mismatches``
+``services.common.metrics_endpoint``. The verifier's mismatch store goes to
+``<the job's directory>/mismatches`` (``services.controller.paths.job_root``; ``$ONPOLICY_HOME/mismatches``
 when the launcher knows none).
 
 Restarts: every actor is created with ``max_restarts`` (``onpolicy up --max-restarts``, default 3).
@@ -27,7 +27,7 @@ from typing import Any
 
 from onpolicy.jobs.spec import JobSpec
 
-from ..jobs.loop import RoleStubs
+from ..controller.loop import RoleStubs
 from .local_ray import ray_env
 from .placement import actor_options
 
@@ -253,7 +253,7 @@ class RayLauncher:
         remote = _remote_class()
         token = new_role_token()  # in memory only: the actors' arguments and this job's channels
         if job_dir is None and (spec.checkpoint.dir or self.state_dir is not None):
-            from ..jobs.paths import job_root
+            from ..controller.paths import job_root
 
             job_dir = job_root(spec, job_id, self.state_dir / "jobs" / job_id if self.state_dir else "")
         job_dir = str(Path(job_dir).absolute()) if job_dir else ""

@@ -10,7 +10,7 @@ import logging
 
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.selftest import is_certified, run_selftest, save_certificate
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.models.registry import load_model
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import rollout_pb2
 from onpolicy.services.common.errors import InvalidArgument, ResourceExhausted

@@ -26,7 +26,7 @@ import grpc
 import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
-from onpolicy.models.checkpoint import LoadedModel, weights_sha256
+from onpolicy.models.loading import LoadedModel, weights_sha256
 from onpolicy.parallel.peers import PeerFailed
 from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc

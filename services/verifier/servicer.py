@@ -25,7 +25,7 @@ from collections.abc import Callable
 import onpolicy
 from onpolicy.kernels import get_backend
 from onpolicy.kernels.selftest import is_certified
-from onpolicy.models.checkpoint import LoadedModel, copy_weights_, weights_sha256
+from onpolicy.models.loading import LoadedModel, copy_weights_, weights_sha256
 from onpolicy.models.registry import load_model
 from onpolicy.services import api
 from onpolicy.verification.config import VerifierConfig
@@ -33,7 +33,7 @@ from onpolicy.verification.doctor import diagnose_sample
 from onpolicy.verification.doctor_paths import PathOptions
 from onpolicy.verification.logdiff import LogdiffStats
 from onpolicy.verification.mismatch_store import MismatchStore
-from onpolicy.verification.sampling import RateLimiter, SampleQueue
+from onpolicy.verification.queue import RateLimiter, SampleQueue
 from onpolicy.verification.verifier import OWN_SOURCE, Verifier, VerifySample
 
 from ..common.convert import kernel_config_to_proto, weights_ref_from_proto

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from onpolicy.verification.sampling import SampleQueue
+from onpolicy.verification.queue import SampleQueue
 from onpolicy.verification.verifier import Verifier, VerifySample
 
 log = logging.getLogger(__name__)

@@ -213,9 +213,9 @@ def test_cpu_image_builds_the_native_linear_as_the_service_user() -> None:
     df = parse_dockerfile(DOCKERFILE)
     assert any(re.search(r"apt-get install .*\bgcc\b.*\blibc6-dev\b", r) for r in df.runs)
     user = df.text.index("USER 1000")
-    build = df.text.index("native.build()")
+    build = df.text.index("cpu.build()")
     assert build > user  # $ONPOLICY_HOME is the service user's, so the build lands where it looks
-    assert "native.build()" in SETUP.read_text()
+    assert "cpu.build()" in SETUP.read_text()
 
 
 def test_ray_cluster_launcher_config_is_accepted_by_ray() -> None:

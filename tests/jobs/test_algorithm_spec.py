@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from onpolicy.jobs.spec import JobSpec, SpecError, load_spec_file, parse_spec
-from onpolicy.services.jobs.convert import spec_from_proto, spec_to_proto
-from onpolicy.services.jobs.loop import ROUND_SEED_STRIDE, GRPOLoop, JobInputs
+from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
+from onpolicy.services.controller.loop import ROUND_SEED_STRIDE, GRPOLoop, JobInputs
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = load_spec_file(ROOT / "examples/jobs/tiny.yaml").model_dump(mode="json")

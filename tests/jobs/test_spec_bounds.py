@@ -91,8 +91,8 @@ def test_nul_characters_are_refused_naming_the_field(tmp_path: Path, capsys) -> 
 @pytest.fixture
 def jobs_stub(tmp_path: Path):
     from onpolicy.services.cluster.actors import RayLauncher
-    from onpolicy.services.jobs.controller import JobController
-    from onpolicy.services.jobs.servicer import jobs_server
+    from onpolicy.services.controller.controller import JobController
+    from onpolicy.services.controller.servicer import jobs_server
 
     controller = JobController(tmp_path / "state", RayLauncher())
     server = jobs_server(controller, ServerConfig(port=0, token=TOKEN))
@@ -145,11 +145,11 @@ def test_a_model_config_is_read_with_a_size_bound(tmp_path: Path, tiny_paths) ->
         f.truncate(512 << 20)
     with pytest.raises(ValueError, match=f"larger than {MAX_CONFIG_BYTES >> 20} MiB"):
         read_config_json(model / "config.json")
-    from onpolicy.models.checkpoint import CheckpointError, read_hf_dir
+    from onpolicy.models.loading import ModelLoadError, read_hf_dir
 
-    with pytest.raises(CheckpointError, match="not a model config"):
+    with pytest.raises(ModelLoadError, match="not a model config"):
         read_hf_dir(model)
-    from onpolicy.services.jobs.controller import check_supported
+    from onpolicy.services.controller.controller import check_supported
 
     with pytest.raises(SpecError) as e:  # read inside SubmitJob for a parallel layout
         check_supported(parse_spec({"model": str(model), "parallel": {"trainer": {"tp": 2}}}))

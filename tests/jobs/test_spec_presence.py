@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from onpolicy.jobs.spec import JobSpec, SpecError, load_spec_file
 from onpolicy.services import api
-from onpolicy.services.jobs.convert import spec_from_proto, spec_to_proto
+from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = load_spec_file(ROOT / "examples/jobs/tiny.yaml")

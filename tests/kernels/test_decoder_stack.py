@@ -1,4 +1,4 @@
-"""The reference backend's whole-stack call (``kernels/native/stack.c``) and the packed weights it
+"""The reference backend's whole-stack call (``kernels/cpu/stack.c``) and the packed weights it
 reads for few rows (``rowdot_packed``: fp32, and pair-packed bf16) give the bits of the per-operator path: the
 same hidden states, the same K/V cache contents, the same sampled tokens and logprobs, for prefill,
 mixed and decode steps, Llama and Qwen3, fp32 and bf16, with and without attention biases; the
@@ -12,14 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from onpolicy.kernels import AttentionBatch, KernelConfig, get_backend, native
-from onpolicy.kernels.native.stack import decoder_stack
+from onpolicy.kernels import AttentionBatch, KernelConfig, cpu, get_backend
+from onpolicy.kernels.cpu.stack import decoder_stack
 from onpolicy.models.causal_lm import CausalLM
 from onpolicy.models.layers import dense_stack
 from onpolicy.rollout.kv_cache import KVCache, PagedContext
 
 PAGE = 16
-needs_vector = pytest.mark.skipif(not native.vector_path(), reason="the packed kernel runs on the AVX2 path only")
+needs_vector = pytest.mark.skipif(not cpu.vector_path(), reason="the packed kernel runs on the AVX2 path only")
 
 
 # ---- rowdot_packed: packed fp32 and pair-packed bf16 weights ------------------------------------
@@ -38,11 +38,11 @@ def test_packed_weights_give_the_chunked_rowdot_bits(xd: torch.dtype, wd: torch.
     x = (torch.randn(m, k, generator=gen) * 3).to(xd)
     w[0, 5], x[0, 7], x[-1, 3] = float("inf"), -0.0, 1e30  # a non-finite product stays in its own row
     round_bf16 = xd == torch.bfloat16
-    want = native.rowdot_chunks(x, w.view(n, chunks, k // chunks).transpose(0, 1).contiguous(), fold=True,
+    want = cpu.rowdot_chunks(x, w.view(n, chunks, k // chunks).transpose(0, 1).contiguous(), fold=True,
                                 round_bf16=round_bf16)
-    packed = native.pack(w, chunks)
+    packed = cpu.pack(w, chunks)
     for threads in (1, 2, 3):
-        got = native.rowdot_packed(x, [(packed, n)], chunks=chunks, round_bf16=round_bf16, threads=threads)[0]
+        got = cpu.rowdot_packed(x, [(packed, n)], chunks=chunks, round_bf16=round_bf16, threads=threads)[0]
         assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
         assert torch.equal(got.isnan(), want.isnan())
 
@@ -53,9 +53,9 @@ def test_a_packed_group_gives_each_weight_its_own_bits(dtype: torch.dtype) -> No
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 64, generator=gen).to(dtype)
     ws = [torch.randn(n, 64, generator=gen).to(dtype) for n in (24, 8, 13)]
-    ys = native.rowdot_packed(x, [(native.pack(w), w.shape[0]) for w in ws])
+    ys = cpu.rowdot_packed(x, [(cpu.pack(w), w.shape[0]) for w in ws])
     for w, y in zip(ws, ys, strict=True):
-        assert torch.equal(y, native.rowdot(x, w))
+        assert torch.equal(y, cpu.rowdot(x, w))
 
 
 @pytest.mark.parametrize("weight,chunks", [(torch.zeros(8, 24, dtype=torch.bfloat16), 1),
@@ -63,16 +63,16 @@ def test_a_packed_group_gives_each_weight_its_own_bits(dtype: torch.dtype) -> No
                                            (torch.zeros(8, 12), 1), (torch.zeros(8, 16), 4),
                                            (torch.zeros(8, 32, dtype=torch.float16), 1)])
 def test_unpackable_weights_are_refused_clearly(weight: torch.Tensor, chunks: int) -> None:
-    assert not native.packable(weight, chunks)
+    assert not cpu.packable(weight, chunks)
     with pytest.raises(ValueError, match="pack takes"):
-        native.pack(weight, chunks)
+        cpu.pack(weight, chunks)
 
 
 @needs_vector
 def test_a_packed_weight_of_the_wrong_size_is_refused() -> None:
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="has 128 elements"):
-        native.rowdot_packed(x, [(torch.zeros(10, dtype=torch.int32), 8)])
+        cpu.rowdot_packed(x, [(torch.zeros(10, dtype=torch.int32), 8)])
 
 
 # ---- decoder_stack through whole models --------------------------------------------------------
@@ -228,7 +228,7 @@ def test_the_stack_follows_replaced_and_updated_parameters(load_tiny) -> None:
 
 
 def test_overridden_operators_and_forward_hooks_take_the_per_operator_path(load_tiny) -> None:
-    from onpolicy.kernels.reference.backend import ReferenceBackend
+    from onpolicy.kernels.reference import ReferenceBackend
 
     class Doubled(ReferenceBackend):
         def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

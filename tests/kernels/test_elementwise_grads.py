@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onpolicy.kernels.reference import elementwise as E
+from onpolicy.kernels.spec import elementwise as E
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
-from onpolicy.kernels.reference.attention import tile_attention
+from onpolicy.kernels.spec.attention import tile_attention
 
 D = 16
 

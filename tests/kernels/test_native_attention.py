@@ -1,4 +1,4 @@
-"""The native attention (kernels/native/attention.c): a row's bits depend only on its query, its own
+"""The native attention (kernels/cpu/attention.c): a row's bits depend only on its query, its own
 sequence's K/V at positions <= its own and the KV tile — never on the other rows, the source (paged
 cache or training forward), positions past its own, threads or the instruction set; the order is
 the documented one; it is close to exact attention; its gradient is the softmax-attention one."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
-from onpolicy.kernels.native import attention as na
+from onpolicy.kernels.cpu import attention as na
 from onpolicy.models.context import PackedContext
 
 F32_ULP = 2.0 ** -23

@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE and SwiGLU in C (kernels/native/rowwise.c): vector and portable paths and thread
+"""RMSNorm, RoPE and SwiGLU in C (kernels/cpu/rowwise.c): vector and portable paths and thread
 counts give the same bits, a row alone equals the row in a batch, RoPE is bitwise the torch
 expression, RMSNorm sums the squares in rowdot's order, both stay within rounding of torch; under
 autograd the reference backend's forward is the no-grad bits and the gradient is the analytic one."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onpolicy.kernels import KernelConfig, get_backend, native
-from onpolicy.kernels.native import rowwise
-from onpolicy.kernels.reference import elementwise as E
+from onpolicy.kernels import KernelConfig, cpu, get_backend
+from onpolicy.kernels.cpu import rowwise
+from onpolicy.kernels.spec import elementwise as E
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -38,7 +38,7 @@ def test_rmsnorm_paths_rows_and_accuracy(xd, wd, h) -> None:
 
 def test_rmsnorm_sums_squares_in_rowdot_order() -> None:
     x, w = rnd(3, 21, seed=3), torch.ones(21)
-    ss = native.rowdot(x, x)[range(3), range(3)]  # dot(x, x) in rowdot's documented order
+    ss = cpu.rowdot(x, x)[range(3), range(3)]  # dot(x, x) in rowdot's documented order
     r = 1.0 / torch.sqrt(ss / torch.tensor(21.0) + torch.tensor(1e-6, dtype=torch.float32))
     assert torch.equal(rowwise.rmsnorm(x, w, 1e-6), x * r[:, None])
 
@@ -107,7 +107,7 @@ def test_logprobs_at_temperature_one_are_the_divided_logits(backend) -> None:
     ops = get_backend(KernelConfig(backend=backend))
     h, w = rnd(5, 64, seed=14), rnd(300, 64, seed=15)
     ones = torch.ones(5)
-    logits = native.linear(h, w) if backend == "reference" else F.linear(h, w)
+    logits = cpu.linear(h, w) if backend == "reference" else F.linear(h, w)
     assert torch.equal(ops.logprobs(h, w, ones), torch.log_softmax(logits / ones[:, None], -1))
     t = torch.tensor([1.0, 0.7, 1.0, 2.0, 1.0])
     assert torch.equal(ops.logprobs(h, w, t), torch.log_softmax(logits / t[:, None], -1))

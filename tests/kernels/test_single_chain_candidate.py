@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from onpolicy.bench import gemm
-from onpolicy.kernels import native
+from onpolicy.kernels import cpu
 
-needs_vector = pytest.mark.skipif(not native.vector_path(), reason="the candidate's vector path is AVX2+FMA")
+needs_vector = pytest.mark.skipif(not cpu.vector_path(), reason="the candidate's vector path is AVX2+FMA")
 # K past one packed block (192) and past a multiple of it; N and M remainders of the panel and tile
 SHAPES = [(1, 1, 1), (5, 17, 7), (7, 40, 9), (13, 15, 200), (6, 200, 577), (1, 33, 384), (3, 96, 64)]
 
@@ -60,4 +60,4 @@ def test_a_split_k_or_rowdots_lane_tree_gives_other_bits() -> None:
     split = gemm.outer_gemm(x[:, :288].contiguous(), w[:, :288].contiguous()) + gemm.outer_gemm(
         x[:, 288:].contiguous(), w[:, 288:].contiguous())
     assert not torch.equal(y, split)
-    assert not torch.equal(y, native.rowdot(x, w))
+    assert not torch.equal(y, cpu.rowdot(x, w))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from onpolicy.kernels import KernelConfig, get_backend
-from onpolicy.models.checkpoint import shard_state_dict
+from onpolicy.models.loading import shard_state_dict
 from onpolicy.models.registry import load_model
 from onpolicy.parallel import ModelParallel
 from onpolicy.parallel.check import CheckSpec, Job, JobResult, run_checks

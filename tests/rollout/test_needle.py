@@ -75,7 +75,7 @@ def check_against_trainer(lm, dtype_seed: int, max_new: int = 40):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_logprobs_equal_trainer(load_tiny, family: str, dtype: str) -> None:
-    lm = load_tiny(family, "reference", dtype)
+    lm = load_tiny(family, compute_dtype=dtype)
     comps, trainer = check_against_trainer(lm, 3)
     assert max(len(c.prompt_ids) + len(c.token_ids) for c in comps) > 3 * 16  # crosses KV tiles
     for c, t in zip(comps, trainer, strict=True):
@@ -84,13 +84,13 @@ def test_rollout_logprobs_equal_trainer(load_tiny, family: str, dtype: str) -> N
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fast_kernels_show_the_mismatch(load_tiny, family: str) -> None:
-    comps, trainer = check_against_trainer(load_tiny(family, "fast", "fp32"), 3)
+    comps, trainer = check_against_trainer(load_tiny(family, backend="fast"), 3)
     diffs = [(torch.tensor(c.logprobs) - t).abs().max().item() for c, t in zip(comps, trainer, strict=True)]
     assert max(diffs) > 0, "fast kernels unexpectedly bitwise equal: the check could not fail"
 
 
 def test_greedy_and_bf16_paths_agree_with_trainer(load_tiny) -> None:
-    lm = load_tiny("tiny-qwen3", "reference", "bf16")
+    lm = load_tiny("tiny-qwen3", compute_dtype="bf16")
     engine = RolloutEngine(lm, EngineConfig(max_num_seqs=4, max_batched_tokens=8))
     comps = engine.generate([[1, 2, 3, 4, 5] * 8, [9] * 20], SamplingParams(temperature=0, max_new_tokens=30,
                                                                             ignore_eos=True))

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.rollout.speculative import SpeculativeConfig, accept, propose_ngram
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
@@ -29,7 +29,7 @@ def sharp(load_tiny, family: str, backend: str = "reference", dtype: str = "fp32
     would almost never be accepted); this one samples at ~1 nat per token at temperature 1."""
     key = (family, backend, dtype)
     if key not in _SHARP:
-        lm = load_tiny(family, backend, dtype)
+        lm = load_tiny(family, compute_dtype=dtype, backend=backend)
         model = copy.deepcopy(lm.model)
         with torch.no_grad():
             model.model.norm.weight.mul_(8)

@@ -17,7 +17,7 @@ from onpolicy.services import api
 from onpolicy.services.cluster.actors import role_options
 from onpolicy.services.common.client import connect
 from onpolicy.services.common.role_metrics import RolloutMetrics
-from onpolicy.services.jobs.convert import spec_from_proto, spec_to_proto
+from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
 from onpolicy.services.roles import RoleOptions, build_role_servicer
 from onpolicy.services.rollout.service import serve_rollout
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from onpolicy.kernels.backend import TokenLogprobs, TokenLogprobsEntropy, at_targets
-from onpolicy.models.checkpoint import LoadedModel
 from onpolicy.models.context import PackedContext
+from onpolicy.models.loading import LoadedModel
 from onpolicy.trainer.forward import ScoredSequence, pack_logprobs
 from onpolicy.trainer.grpo import (
     group_advantages,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.services.api import trainer_pb2
 from onpolicy.services.common.role_metrics import TrainerMetrics

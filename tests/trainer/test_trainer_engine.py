@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer import checkpoint as ckpt
 from onpolicy.trainer.checkpoint import CheckpointError, load_checkpoint

@@ -13,7 +13,7 @@ import torch
 
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.truncation import NONE, RowTruncation, Truncation, truncate
-from onpolicy.models.checkpoint import LoadedModel
+from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.config import LossConfig, OptimizerConfig, TrainSample
 from onpolicy.trainer.engine import TrainerEngine

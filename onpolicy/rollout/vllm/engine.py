@@ -40,8 +40,8 @@ import torch
 
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.sampling import request_key
-from onpolicy.models.checkpoint import LoadedModel, copy_weights_
 from onpolicy.models.hf_export import hf_directory
+from onpolicy.models.loading import LoadedModel, copy_weights_
 from onpolicy.models.registry import load_model
 
 from ..engine import EngineConfig
