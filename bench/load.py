@@ -80,7 +80,8 @@ def run_load(*, model: str = "tiny-qwen3", clients: int = 32, requests: int = 4,
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.server import ServerConfig
-    from onpolicy.services.rollout.service import build_rollout_service, serve_rollout
+    from onpolicy.services.roles import serve_servicer
+    from onpolicy.services.rollout.service import build_rollout_service
 
     token = "bench-load-token"
     servicer = build_rollout_service(model, KernelConfig(), EngineConfig(max_num_seqs=max_num_seqs))
@@ -88,7 +89,7 @@ def run_load(*, model: str = "tiny-qwen3", clients: int = 32, requests: int = 4,
         servicer.admission.max_inflight_tokens = max_inflight_tokens
     servicer.admission.max_queued_requests = max_queued_requests
     gate = servicer.admission
-    server = serve_rollout(servicer, ServerConfig(host="127.0.0.1", port=0, token=token,
+    server = serve_servicer("rollout", servicer, ServerConfig(host="127.0.0.1", port=0, token=token,
                                                   max_concurrent_rpcs=max_concurrent_rpcs))
     channel = connect(server.address, token=token)
     rss_before = _rss_mib()  # model, KV cache and server up: what the load adds comes after

@@ -1,133 +1,190 @@
-"""Start one role's gRPC server (rollout, trainer or verifier) from plain options — what a Ray
-actor, ``onpolicy serve ROLE`` or a pod runs — and, when asked, its Prometheus ``/metrics``
-endpoint (``role_metrics_registry``: one registry per service, see ``services.common.metrics_endpoint``)."""
+"""The role services of a job — rollout, trainer, verifier — in one registry, ``ROLES``: for each its
+typed options, how its servicer is built, the proto service it serves, its client stub and its
+Prometheus registry. ``start_role`` is the one way to run a role (a Ray actor, ``onpolicy serve ROLE``
+and the tests all call it); ``serve_servicer`` puts an already built servicer on a server.
+
+Options are typed per role (``RolloutOptions``, ``TrainerOptions``, ``VerifierOptions``): frozen
+dataclasses holding the domain's own configs (``KernelConfig``, ``EngineConfig``, ``VerifierConfig``),
+derived from a ``JobSpec`` once, when a job's roles are launched (``options_for``), and handed to the
+role's actor as they are.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
+from onpolicy.jobs.spec import JobSpec
 from onpolicy.kernels import KernelConfig
+from onpolicy.rollout.engine import EngineConfig
+from onpolicy.rollout.speculative import SpeculativeConfig
+from onpolicy.verification.config import VerifierConfig
 
 from .common.server import GrpcServer, ServerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoleOptions:
+    """What every role is started with."""
+
+    role: ClassVar[str] = ""
     model: str
-    backend: str = "reference"
-    dtype: str = "fp32"
-    kv_tile: int = 64
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 2048
-    speculative: str = "none"
-    """Rollout: speculative decoding, ``none`` or ``ngram`` (``onpolicy.rollout.speculative``)."""
-    num_speculative_tokens: int = 4
-    """Rollout: most drafted tokens per request and decode step."""
-    weights_fingerprint_backend: str = "reference"
-    """Backend of the trainer whose weight versions this service accepts (differs from ``backend``
-    only for a deliberately mismatched rollout, e.g. fast kernels to exercise the verifier)."""
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     job: str = ""
-    """Job the service runs for: the ``job`` label of its metrics ("" for a shared service)."""
-    job_dir: str = ""
-    """Trainer: the job's own directory, the only place its RPCs may name ("" = not confined;
-    ``services.trainer.confine``)."""
-    verifier_max_samples_per_second: float = 0.0
-    """Verifier: per-job cap on samples verified per second (0 = no cap)."""
-    verifier_queue_samples: int = 1024
-    """Verifier: capacity of the asynchronous queue, in samples."""
-    mismatch_dir: str = ""
-    """Verifier: mismatch store directory (default ``$ONPOLICY_HOME/mismatches``)."""
-    mismatch_keep: int = 16
-    """Verifier: worst mismatching samples kept per job."""
-    rollout_kernel_fingerprint: str = ""
-    """Verifier: kernel fingerprint of the job's rollout, recorded for its samples that carry none."""
-    engine: str = "onpolicy"
-    """Rollout: ``onpolicy`` or ``vllm`` (``onpolicy.rollout.engines``)."""
-    rollout_tp: int = 1
-    """Rollout: tensor-parallel degree (``onpolicy.parallel.mirrored``: peer ranks are Ray actors it starts)."""
-    rollout_ep: int = 1
-    """Rollout: expert-parallel degree (MoE models)."""
-    rollout_npus: int = 0
-    """Rollout: NPUs each tensor/expert-parallel peer requests (as many as the rollout itself)."""
-    trainer_dp: int = 1
-    """Trainer: data-parallel ranks; the service is rank 0, its peers are Ray actors it starts
-    (``onpolicy.trainer.data_parallel``)."""
-    trainer_tp: int = 1
-    """Trainer: tensor-parallel degree (``onpolicy.trainer.model_parallel``; not with ``trainer_dp`` > 1)."""
-    trainer_ep: int = 1
-    """Trainer: expert-parallel degree (MoE models)."""
-    trainer_dp_npus: int = 0
-    """Trainer: NPUs each peer rank (data, tensor or expert parallel) requests (as many as the trainer itself)."""
+    """The job the service runs for: the ``job`` label of its metrics, the name of its peer ranks
+    ("" for a shared service)."""
 
     @property
-    def kernel_config(self) -> KernelConfig:
-        return KernelConfig(backend=self.backend, compute_dtype=self.dtype, kv_tile=self.kv_tile)  # type: ignore[arg-type]
+    def peer_name(self) -> str:
+        """The name prefix of the role's peer-rank actors ("" without a job)."""
+        return f"onpolicy-{self.job}-{self.role}" if self.job else ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutOptions(RoleOptions):
+    role: ClassVar[str] = "rollout"
+    engine: str = "onpolicy"
+    """``onpolicy``, ``vllm`` or ``vllm-ascend`` (``onpolicy.rollout.engines``)."""
+    engine_config: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
+    weights_kernels: KernelConfig | None = None
+    """The operators of the trainer whose weight versions this service accepts (None: its own; differs
+    only for a deliberately mismatched rollout, e.g. fast kernels to exercise the verifier)."""
+    tp: int = 1
+    ep: int = 1
+    peer_npus: int = 0
+    """NPUs each tensor/expert-parallel peer rank requests."""
 
     @property
     def weights_fingerprint(self) -> str:
-        return self.kernel_config.with_(backend=self.weights_fingerprint_backend).fingerprint
+        return (self.weights_kernels or self.kernels).fingerprint
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerOptions(RoleOptions):
+    role: ClassVar[str] = "trainer"
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    peer_npus: int = 0
+    """NPUs each peer rank (data, tensor or expert parallel) requests."""
+    job_dir: str = ""
+    """The job's own directory, the only place its RPCs may name ("" = not confined;
+    ``services.trainer.confine``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifierOptions(RoleOptions):
+    role: ClassVar[str] = "verifier"
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+
+
+def _build_rollout(opts: RolloutOptions) -> Any:
+    from .rollout.service import build_rollout_service
+
+    return build_rollout_service(opts.model, opts.kernels, opts.engine_config,
+                                 weights_fingerprint=opts.weights_fingerprint, engine=opts.engine, tp=opts.tp,
+                                 ep=opts.ep, peer_npus=opts.peer_npus, peer_name=opts.peer_name)
+
+
+def _build_trainer(opts: TrainerOptions) -> Any:
+    from .trainer.service import build_trainer_service
+
+    return build_trainer_service(opts.model, opts.kernels, data_parallel=opts.dp, tp=opts.tp, ep=opts.ep,
+                                 peer_npus=opts.peer_npus, peer_name=opts.peer_name, job_dir=opts.job_dir,
+                                 job_id=opts.job)
+
+
+def _build_verifier(opts: VerifierOptions) -> Any:
+    from .verifier.service import build_verifier_service
+
+    return build_verifier_service(opts.model, opts.kernels, replace(opts.verifier, job=opts.job))
+
+
+def _rollout_metrics(servicer: Any, job: str) -> Any:
+    from .common.role_metrics import RolloutMetrics
+
+    return RolloutMetrics(servicer, job).registry
+
+
+def _trainer_metrics(servicer: Any, job: str) -> Any:
+    from .common.role_metrics import TrainerMetrics
+
+    return TrainerMetrics(servicer, job).registry
+
+
+def _verifier_metrics(servicer: Any, job: str) -> Any:
+    return servicer.metrics.registry  # the verifier's own VerifierMetrics, labelled with its config's job
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role service: its options type, how its servicer is built and exported, and its gRPC
+    service (``service``: the proto service's name in ``api.SERVICE_NAMES``)."""
+
+    name: str
+    options: type[RoleOptions]
+    service: str
+    build: Callable[[Any], Any]
+    metrics: Callable[[Any, str], Any]
+    """``(servicer, job) -> CollectorRegistry``; called before the servicer is registered with a
+    server (the trainer's metrics wrap its ``TrainStep``)."""
 
     @property
-    def verifier_config(self) -> Any:
-        from onpolicy.verification.config import VerifierConfig
+    def full_name(self) -> str:
+        """The service's full name, as health checks and reflection know it."""
+        from onpolicy.services import api
 
-        return VerifierConfig(job=self.job, max_samples_per_second=self.verifier_max_samples_per_second,
-                              queue_samples=self.verifier_queue_samples, mismatch_dir=self.mismatch_dir,
-                              mismatch_keep=self.mismatch_keep,
-                              rollout_kernel_fingerprint=self.rollout_kernel_fingerprint)
+        return api.SERVICE_NAMES[self.service]
+
+    def register(self, servicer: Any, server: Any) -> None:
+        from onpolicy.services import api
+
+        getattr(getattr(api, f"{self.name}_pb2_grpc"), f"add_{self.service}Servicer_to_server")(servicer, server)
+
+    def stub(self, channel: Any) -> Any:
+        from onpolicy.services import api
+
+        return getattr(getattr(api, f"{self.name}_pb2_grpc"), f"{self.service}Stub")(channel)
 
 
-SERVICE_NAMES = {"rollout": "onpolicy.v1.RolloutService", "trainer": "onpolicy.v1.TrainerService",
-                 "verifier": "onpolicy.v1.VerifierService", "jobs": "onpolicy.v1.JobService"}
+ROLES: dict[str, Role] = {r.name: r for r in (
+    Role("rollout", RolloutOptions, "RolloutService", _build_rollout, _rollout_metrics),
+    Role("trainer", TrainerOptions, "TrainerService", _build_trainer, _trainer_metrics),
+    Role("verifier", VerifierOptions, "VerifierService", _build_verifier, _verifier_metrics),
+)}
 
 
-def build_role_servicer(role: str, opts: RoleOptions) -> tuple[object, object]:
-    """The servicer of ``role`` and its generated ``add_*_to_server`` registrar."""
-    from onpolicy.services import api
+def role_of(opts: RoleOptions) -> Role:
+    if type(opts).role not in ROLES:
+        raise TypeError(f"{type(opts).__name__} is not the options of a role ({', '.join(ROLES)})")
+    return ROLES[type(opts).role]
 
-    if role == "rollout":
-        from onpolicy.rollout import EngineConfig
-        from onpolicy.rollout.speculative import SpeculativeConfig
 
-        from .rollout.service import build_rollout_service
-
-        spec = SpeculativeConfig(method=opts.speculative, num_tokens=opts.num_speculative_tokens)
-        servicer = build_rollout_service(opts.model, opts.kernel_config,
-                                         EngineConfig(max_num_seqs=opts.max_num_seqs,
-                                                      max_batched_tokens=opts.max_batched_tokens, speculative=spec),
-                                         weights_fingerprint=opts.weights_fingerprint, engine=opts.engine,
-                                         tp=opts.rollout_tp, ep=opts.rollout_ep, peer_npus=opts.rollout_npus,
-                                         peer_name=f"onpolicy-{opts.job}-rollout" if opts.job else "")
-        return servicer, api.rollout_pb2_grpc.add_RolloutServiceServicer_to_server
+def options_for(spec: JobSpec, role: str, job_id: str = "", job_dir: str = "", mismatch_dir: str = "",
+                ) -> RoleOptions:
+    """The options of ``spec``'s ``role`` service: the job's model and operators (the rollout's own
+    kernels where ``rollout.kernels: fast``), its engine and parallel degrees, and for the trainer
+    ``job_dir``, for the verifier ``mismatch_dir`` and the rollout's kernel fingerprint."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    trainer_kernels = KernelConfig(backend=spec.kernels.backend, compute_dtype=spec.kernels.dtype,
+                                   kv_tile=spec.kernels.kv_tile)
+    common = {"model": spec.model, "kernels": trainer_kernels, "job": job_id}
     if role == "trainer":
-        from .trainer.service import build_trainer_service
-
-        servicer = build_trainer_service(opts.model, opts.kernel_config, data_parallel=opts.trainer_dp,
-                                         tp=opts.trainer_tp, ep=opts.trainer_ep, peer_npus=opts.trainer_dp_npus,
-                                         peer_name=f"onpolicy-{opts.job}-trainer" if opts.job else "",
-                                         job_dir=opts.job_dir, job_id=opts.job)
-        return servicer, api.trainer_pb2_grpc.add_TrainerServiceServicer_to_server
-    if role == "verifier":
-        from .verifier.service import build_verifier_service
-
-        servicer = build_verifier_service(opts.model, opts.kernel_config, opts.verifier_config)
-        return servicer, api.verifier_pb2_grpc.add_VerifierServiceServicer_to_server
-    raise ValueError(f"unknown role {role!r}; roles are rollout, trainer, verifier")
-
-
-def role_metrics_registry(role: str, servicer: Any, job: str = "") -> Any:
-    """The ``CollectorRegistry`` of a role's servicer (call before registering the servicer with a
-    gRPC server: the trainer's metrics wrap its ``TrainStep``)."""
-    if role == "verifier":
-        return servicer.metrics.registry
-    from .common.role_metrics import RolloutMetrics, TrainerMetrics
-
-    if role == "rollout":
-        return RolloutMetrics(servicer, job).registry
-    if role == "trainer":
-        return TrainerMetrics(servicer, job).registry
-    raise ValueError(f"unknown role {role!r}; roles are rollout, trainer, verifier")
+        p = spec.parallel.trainer
+        return TrainerOptions(**common, dp=p.dp, tp=p.tp, ep=p.ep, peer_npus=spec.resources_for("trainer").npus,
+                              job_dir=job_dir)
+    rollout_kernels = trainer_kernels.with_(backend="fast") if spec.rollout.kernels == "fast" else trainer_kernels
+    if role == "verifier":  # it records the rollout's kernels with the samples it stores
+        return VerifierOptions(**common, verifier=VerifierConfig(
+            mismatch_dir=mismatch_dir, rollout_kernel_fingerprint=rollout_kernels.fingerprint))
+    r, p = spec.rollout, spec.parallel.rollout
+    engine = EngineConfig(max_num_seqs=r.max_num_seqs, max_batched_tokens=r.max_batched_tokens,
+                          speculative=SpeculativeConfig(method=r.speculative, num_tokens=r.num_speculative_tokens))
+    return RolloutOptions(**{**common, "kernels": rollout_kernels}, engine=r.engine, engine_config=engine,
+                          weights_kernels=trainer_kernels, tp=p.tp, ep=p.ep,
+                          peer_npus=spec.resources_for("rollout").npus)
 
 
 @dataclass
@@ -145,17 +202,26 @@ class RoleServer:
         self.server.stop(grace)
 
 
-def start_role(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+def serve_servicer(role: str, servicer: Any, config: ServerConfig | None = None) -> GrpcServer:
+    """A started ``GrpcServer`` (health, reflection, auth, TLS per ``config``) serving ``servicer`` as
+    ``role``'s service; stopping the server closes the servicer."""
+    r = ROLES[role]
+    server = GrpcServer(config)
+    server.add_service(r.full_name, servicer, r.register)  # type: ignore[arg-type]
+    server.start()
+    return server
+
+
+def start_role(opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                metrics_host: str | None = None, metrics_port: int = 0,
                server_config: ServerConfig | None = None) -> RoleServer:
-    """Build and start ``role``'s gRPC server (``server_config``, e.g. with TLS, or one made of
-    ``host``/``port``/``token``); with ``metrics_host`` also serve its ``/metrics`` there
-    (``metrics_port`` 0 = a free port)."""
-    servicer, register = build_role_servicer(role, opts)
-    registry = role_metrics_registry(role, servicer, opts.job)
-    server = GrpcServer(server_config or ServerConfig(host=host, port=port, token=token))
-    server.add_service(SERVICE_NAMES[role], servicer, register)  # type: ignore[arg-type]
-    server.start()
+    """Build the role service ``opts`` describes and start its gRPC server (``server_config``, e.g.
+    with TLS, or one made of ``host``/``port``/``token``); with ``metrics_host`` also serve its
+    ``/metrics`` there (``metrics_port`` 0 = a free port)."""
+    r = role_of(opts)
+    servicer = r.build(opts)
+    registry = r.metrics(servicer, opts.job)
+    server = serve_servicer(r.name, servicer, server_config or ServerConfig(host=host, port=port, token=token))
     endpoint = None
     if metrics_host is not None:
         from .common.metrics_endpoint import MetricsEndpoint
@@ -166,8 +232,3 @@ def start_role(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: i
             server.stop(grace=0)
             raise
     return RoleServer(server, servicer, endpoint)
-
-
-def start_role_server(role: str, opts: RoleOptions, *, host: str = "127.0.0.1", port: int = 0,
-                      token: str | None = None) -> GrpcServer:
-    return start_role(role, opts, host=host, port=port, token=token).server

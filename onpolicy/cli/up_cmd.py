@@ -278,8 +278,9 @@ def serve(args: argparse.Namespace) -> int:
                                                args.max_watch_streams, args.data_root, args.model_root,
                                                role_tls_arg(args))
     else:
+        from onpolicy.kernels import KernelConfig
         from onpolicy.rollout.engines import EngineUnavailable, check_engine
-        from onpolicy.services.roles import RoleOptions, start_role
+        from onpolicy.services.roles import ROLES, start_role
 
         backend = "fast" if args.kernels == "fast" else "reference"
         if args.engine != "onpolicy":
@@ -293,13 +294,17 @@ def serve(args: argparse.Namespace) -> int:
                 if args.kernels == "fast":
                     fail("--engine vllm-ascend runs the onpolicy Ascend operators: --kernels fast does not apply")
                 backend = "ascend"  # vLLM on Ascend runs our Ascend operators
-        opts = RoleOptions(model=args.model, backend=backend, dtype=args.dtype, kv_tile=args.kv_tile,
-                           weights_fingerprint_backend=backend if args.engine == "vllm-ascend" else "reference",
-                           engine=args.engine)
+        try:
+            kernels = KernelConfig(backend=backend, compute_dtype=args.dtype, kv_tile=args.kv_tile)
+        except ValueError as e:
+            fail(str(e).splitlines()[0])
+        extra = ({"engine": args.engine, "weights_kernels": kernels.with_(
+            backend=backend if args.engine == "vllm-ascend" else "reference")} if args.role == "rollout" else {})
+        opts = ROLES[args.role].options(model=args.model, kernels=kernels, **extra)
         if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
             fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
         try:
-            role = start_role(args.role, opts, server_config=config,
+            role = start_role(opts, server_config=config,
                               metrics_host=args.metrics_host if args.metrics_port is not None else None,
                               metrics_port=args.metrics_port or 0)
         except OSError as e:

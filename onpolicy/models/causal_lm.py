@@ -13,8 +13,6 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_mod
-from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from onpolicy.kernels import Backend
 from onpolicy.kernels.backend import DenseStack
@@ -24,24 +22,6 @@ from onpolicy.parallel.layout import ModelParallel, check_degrees
 from .config import ModelConfig, RopeScaling
 from .context import AttentionContext
 from .layers import DecoderLayer, Linear, RMSNorm, dense_stack
-
-_registrations = [0]
-"""Parameters registered (or replaced, e.g. ``load_state_dict(assign=True)``) in this process: a
-model's ``DenseStack`` holds its Parameter objects and is rebuilt when this count moves."""
-
-
-def _count_registration(module: nn.Module, name: str, param: object) -> None:
-    _registrations[0] += 1
-
-
-register_module_parameter_registration_hook(_count_registration)
-
-
-def _hooked(modules: list[nn.Module]) -> bool:
-    """Whether a forward (pre-)hook is registered on one of ``modules`` or globally."""
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> Tensor:
@@ -106,8 +86,6 @@ class CausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                                    cfg.rope_scaling)
         self._head_cache: tuple[tuple[int, int], Tensor] | None = None
-        # (parameter registrations seen, the layers as a DenseStack or None, the layers' modules)
-        self._dense: tuple[int, DenseStack | None, list[nn.Module]] | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -128,15 +106,21 @@ class CausalLM(nn.Module):
         return self
 
     def hidden(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, ops: Backend | None = None,
-               ) -> Tensor:
-        """Final-normed hidden states ``[N, H]`` of packed token rows at absolute ``positions``."""
+               stack: DenseStack | None = None) -> Tensor:
+        """Final-normed hidden states ``[N, H]`` of packed token rows at absolute ``positions``. With a
+        ``stack`` (:meth:`dense_stack`, which an engine takes once at load time), a context that writes
+        a paged cache and autograd off, every layer runs in one ``Backend.decoder_stack`` call, with
+        the bits of the layers run one by one (which happens otherwise, and where the backend has no
+        such call)."""
         ops = ops or self.ops
         if positions.numel() and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.model.embed_tokens(input_ids)
-        stacked = self._stacked(x, cos, sin, ctx, ops)
+        cache = getattr(ctx, "cache_write", None)
+        stacked = (ops.decoder_stack(x, stack, cos, sin, cache, ctx.batch)
+                   if stack is not None and cache is not None and not torch.is_grad_enabled() else None)
         if stacked is not None:
             x = stacked
         else:
@@ -144,19 +128,11 @@ class CausalLM(nn.Module):
                 x = layer(x, cos, sin, ctx, ops)
         return self.model.norm(x, ops)
 
-    def _stacked(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext, ops: Backend) -> Tensor | None:
-        """Every layer in one ``Backend.decoder_stack`` call, when autograd is off, the context writes a
-        paged cache and the model is dense and unsharded; None when the layers must run one by one."""
-        cache = getattr(ctx, "cache_write", None)
-        if cache is None or torch.is_grad_enabled():
-            return None
-        if self._dense is None or self._dense[0] != _registrations[0]:  # built, or a parameter was replaced since
-            stack = dense_stack(self.config, self.model.layers, self.parallel)
-            self._dense = (_registrations[0], stack, list(self.model.layers.modules()))
-        _, stack, modules = self._dense
-        if stack is None or _hooked(modules):  # forward hooks expect the modules to run
-            return None
-        return ops.decoder_stack(x, stack, cos, sin, cache, ctx.batch)
+    def dense_stack(self) -> DenseStack | None:
+        """The decoder layers as the operands of ``Backend.decoder_stack`` (their parameters, by
+        reference: updates in place, e.g. a weight sync, are seen), or None when a layer is not the
+        dense pre-norm layer it describes (MoE, tensor/expert parallel, a subclassed module)."""
+        return dense_stack(self.config, self.model.layers, self.parallel)
 
     def lm_head_fp32(self) -> Tensor:
         """The LM-head weight in fp32 (tied to the embeddings when the config says so). Without

@@ -73,7 +73,7 @@ class RolloutEngine:
         self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
         drafter = self._draft if self.config.speculative.enabled else None
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens, drafter)
-        self.runner = ModelRunner(lm.model, self.cache)
+        self.runner = ModelRunner(lm.model, self.cache, stack=lm.model.dense_stack())  # compiled once, here
         self.weight_version = 0
         self.counters = EngineStats()
         self._seqs: dict[int, Sequence] = {}

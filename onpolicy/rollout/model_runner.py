@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from onpolicy.kernels import AttentionBatch
+from onpolicy.kernels.backend import DenseStack
 from onpolicy.kernels.sampling import sample
 from onpolicy.kernels.truncation import RowTruncation
 from onpolicy.models.causal_lm import CausalLM
@@ -30,8 +31,10 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: KVCache, stack: DenseStack | None = None) -> None:
+        """``stack``: the model's layers as one native call (``CausalLM.dense_stack``), chosen once by
+        the engine at load time; None runs the layers one by one (the same bits)."""
+        self.model, self.cache, self.stack = model, cache, stack
 
     @torch.no_grad()
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
@@ -57,7 +60,8 @@ class ModelRunner:
                              dtype=torch.int64, device=device)
         ctx = PagedContext(self.cache, batch, table, torch.tensor(slots, dtype=torch.int64, device=device))
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions_t, ctx)
+        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions_t, ctx,
+                                   stack=self.stack)
         ends = [e - 1 for e in itertools.accumulate(q_lens)]
         sampled = [(s, end) for s, end in zip(out.scheduled, ends, strict=True) if s.samples]
         if not sampled:

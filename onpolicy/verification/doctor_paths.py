@@ -190,7 +190,13 @@ class _Tap:
     def device(self) -> torch.device:
         return self.model.device
 
-    def hidden(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, ops: object = None) -> Tensor:
+    def dense_stack(self) -> None:
+        """No one-call decoder for the engine: every operator runs (and is captured) on its own."""
+        return None
+
+    def hidden(self, input_ids: Tensor, positions: Tensor, ctx: AttentionContext, ops: object = None,
+               stack: object = None) -> Tensor:
+        """The model's forward, operator by operator (``stack`` is None: see ``dense_stack``)."""
         self.ops.log.begin_forward(positions, self.label)
         self.forward_rows = int(positions.numel())
         if self.mask_offset:

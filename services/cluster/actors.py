@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from .local_ray import ray_env
 from .placement import actor_options
 
 log = logging.getLogger(__name__)
-ROLES = ("rollout", "trainer", "verifier")
 DEFAULT_MAX_RESTARTS = 3
 #: How long ``reconnect`` waits for a restarted actor to serve again.
 RESOLVE_TIMEOUT_S = 300.0
@@ -71,23 +70,23 @@ class ServiceActor:
     keeps the actor alive and answers ``address`` with a ``RoleStartupError``: restarting it would
     only fail again."""
 
-    def __init__(self, role: str, options: dict[str, Any], host: str, token: str | None, threads: int,
-                 metrics: bool = False, tls: dict[str, str] | None = None) -> None:
+    def __init__(self, options: Any, host: str, token: str | None, threads: int, metrics: bool = False,
+                 tls: dict[str, str] | None = None) -> None:
         ray_env()
         import torch
 
         torch.set_num_threads(max(1, threads))
-        from ..roles import RoleOptions, start_role
+        from ..roles import start_role
 
-        self.role_name = role
+        self.role_name = role = options.role
         self.startup_error = ""
         try:
             from ..common.server import ServerConfig
 
             config = ServerConfig(host=host, port=0, token=token, tls_cert=tls["cert"], tls_key=tls["key"],
                                   tls_client_ca=tls["ca"]) if tls else None
-            self.role = start_role(role, RoleOptions(**options), host=host, token=token,
-                                   metrics_host=host if metrics else None, server_config=config)
+            self.role = start_role(options, host=host, token=token, metrics_host=host if metrics else None,
+                                   server_config=config)
         except Exception as e:
             log.exception("the %s service could not start", role)
             first = str(e).splitlines()[0] if str(e) else ""
@@ -145,28 +144,6 @@ def _remote_class() -> Any:
     return _REMOTE
 
 
-def role_options(spec: JobSpec, role: str, job_id: str = "", mismatch_dir: str = "", job_dir: str = "",
-                 ) -> dict[str, Any]:
-    from ..roles import RoleOptions
-
-    kernels = spec.rollout.kernels if role == "rollout" else "consistent"
-    backend = "fast" if kernels == "fast" else spec.kernels.backend
-    opts = RoleOptions(model=spec.model, backend=backend, dtype=spec.kernels.dtype, kv_tile=spec.kernels.kv_tile,
-                       max_num_seqs=spec.rollout.max_num_seqs, max_batched_tokens=spec.rollout.max_batched_tokens,
-                       speculative=spec.rollout.speculative, num_speculative_tokens=spec.rollout.num_speculative_tokens,
-                       weights_fingerprint_backend=spec.kernels.backend, job=job_id, mismatch_dir=mismatch_dir,
-                       job_dir=job_dir,
-                       engine=spec.rollout.engine if role == "rollout" else "onpolicy",
-                       trainer_dp=spec.parallel.trainer.dp, trainer_dp_npus=spec.resources_for("trainer").npus,
-                       trainer_tp=spec.parallel.trainer.tp, trainer_ep=spec.parallel.trainer.ep,
-                       rollout_tp=spec.parallel.rollout.tp, rollout_ep=spec.parallel.rollout.ep,
-                       rollout_npus=spec.resources_for("rollout").npus)
-    if role == "verifier":  # the verifier records the rollout's kernels with the samples it stores
-        rollout = RoleOptions(**role_options(spec, "rollout"))
-        opts = replace(opts, rollout_kernel_fingerprint=rollout.kernel_config.fingerprint)
-    return asdict(opts)
-
-
 def resolve_address(actor: Any, timeout_s: float = RESOLVE_TIMEOUT_S) -> str:
     """The gRPC address ``actor`` serves on, waiting while Ray restarts it (a call that reached it
     as it died fails with ``RayActorError``: retried until ``timeout_s``; then the error stands). A
@@ -215,9 +192,8 @@ class RayLauncher:
         authenticated with the job's own role ``token``."""
         import ray
 
-        from onpolicy.services import api
-
         from ..common.client import connect
+        from ..roles import ROLES
 
         addresses = {role: resolve_address(a) for role, a in actors.items()}
         log.info("job %s services: %s", job_id, addresses)
@@ -228,9 +204,7 @@ class RayLauncher:
             for role, a in actors.items():
                 self.metrics.add_target(job_id, role, ray.get(a.metrics_url.remote()))
         stubs = {}
-        for role, stub_cls in (("rollout", api.rollout_pb2_grpc.RolloutServiceStub),
-                               ("trainer", api.trainer_pb2_grpc.TrainerServiceStub),
-                               ("verifier", api.verifier_pb2_grpc.VerifierServiceStub)):
+        for role in actors:
             if self.tls is not None:  # mutual TLS: the token travels encrypted
                 ch = connect(addresses[role], token=token, tls_ca=self.tls.ca, client_cert=self.tls.cert,
                              client_key=self.tls.key, options=[("grpc.ssl_target_name_override",
@@ -238,7 +212,7 @@ class RayLauncher:
             else:  # off-loopback the token crosses the cluster network in plaintext (docs/deploy.md)
                 ch = connect(addresses[role], token=token, allow_insecure_token=not self.loopback)
             channels.append(ch)
-            stubs[role] = stub_cls(ch)
+            stubs[role] = ROLES[role].stub(ch)
         return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token)
 
     @contextlib.contextmanager
@@ -249,6 +223,7 @@ class RayLauncher:
         import ray
 
         from ..common.auth import new_role_token
+        from ..roles import ROLES, options_for
 
         remote = _remote_class()
         token = new_role_token()  # in memory only: the actors' arguments and this job's channels
@@ -266,7 +241,7 @@ class RayLauncher:
                 actors[role] = remote.options(
                     name=f"onpolicy-{job_id}-{role}", max_restarts=self.max_restarts,
                     **actor_options(res.npus, res.cpus),
-                ).remote(role, role_options(spec, role, job_id, mismatch_dir, job_dir), self.host, token,
+                ).remote(options_for(spec, role, job_id, job_dir, mismatch_dir), self.host, token,
                          max(1, int(res.cpus)), self.metrics is not None,
                          asdict(self.tls) if self.tls is not None else None)
             yield self._connect(job_id, actors, channels, token)

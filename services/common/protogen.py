@@ -4,7 +4,8 @@ One implementation serves two callers:
 
 * ``setup.py``'s ``build_py`` hook (every wheel build and every ``pip install -e .``), which loads this
   file by path — so it must import nothing beyond the standard library at module level;
-* ``onpolicy.services.generated.ensure()``, the import-time fallback for source checkouts.
+* ``python -m onpolicy.services.common.protogen``, after a .proto is edited in a checkout (importing
+  ``onpolicy.services.generated`` checks the stamp below and names this command when it is stale).
 
 ``grpc_tools.protoc`` writes modules that import each other absolutely (``from onpolicy.v1 import
 common_pb2``); ``onpolicy`` is our real package, so those imports are rewritten to relative ones
@@ -141,3 +142,21 @@ def generate(proto_root: Path, out_root: Path) -> list[Path]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def main() -> int:
+    """``python -m onpolicy.services.common.protogen``: regenerate a checkout's gRPC modules."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        written = generate(root / "protos", root / "services" / "generated")
+    except ProtogenError as e:
+        print(f"protogen: {e}", file=sys.stderr)
+        return 2
+    print(f"generated {len(written)} modules" if written else "the gRPC modules are up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

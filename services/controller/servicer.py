@@ -27,11 +27,9 @@ from .paths import PathRefused
 def jobs_server(controller: JobController, config: ServerConfig,
                 max_watch_streams: int | None = None) -> GrpcServer:
     """A started gRPC server answering the JobService for ``controller``."""
-    from onpolicy.services.roles import SERVICE_NAMES
-
     server = GrpcServer(config)
-    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller, max_watch_streams or DEFAULT_MAX_WATCH_STREAMS),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
+    servicer = JobServicer(controller, max_watch_streams or DEFAULT_MAX_WATCH_STREAMS)
+    server.add_service(api.SERVICE_NAMES["JobService"], servicer, api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
     server.start()
     return server
 

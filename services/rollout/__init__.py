@@ -1,13 +1,12 @@
-"""The rollout service: ``RolloutService`` over gRPC on one ``RolloutEngine``.
+"""The rollout service: ``RolloutService`` over gRPC on one rollout engine.
 
 ``build_rollout_service(model_ref, kernel_config, engine_config)`` -> ``RolloutServicer`` (refuses an
-uncertified backend with ``UncertifiedBackend``), ``serve_rollout(servicer, server_config)`` -> a
-started ``GrpcServer``.
+uncertified backend with ``UncertifiedBackend``); ``onpolicy.services.roles`` serves it.
 """
 
 from onpolicy.services.common.model import UncertifiedBackend
 
-from .service import build_rollout_service, serve_rollout
-from .servicer import SERVICE_NAME, RolloutServicer
+from .service import build_rollout_service
+from .servicer import RolloutServicer
 
-__all__ = ["SERVICE_NAME", "RolloutServicer", "UncertifiedBackend", "build_rollout_service", "serve_rollout"]
+__all__ = ["RolloutServicer", "UncertifiedBackend", "build_rollout_service"]

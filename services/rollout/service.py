@@ -1,6 +1,6 @@
-"""Building and serving the rollout service: load the model on a backend certified on this machine
-(``onpolicy.services.common.model``), wrap a fresh engine in a ``RolloutServicer`` and put it on a
-``GrpcServer``."""
+"""Building the rollout service: load the model on a backend certified on this machine
+(``onpolicy.services.common.model``) and wrap a fresh engine in a ``RolloutServicer`` (served by
+``onpolicy.services.roles``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.rollout import EngineConfig, RolloutEngine
 from onpolicy.rollout.engines import OWN_ENGINE, build_engine
 from onpolicy.services.common.model import ensure_certified, load_certified
-from onpolicy.services.common.server import GrpcServer, ServerConfig
 
-from .servicer import SERVICE_NAME, RolloutServicer
+from .servicer import RolloutServicer
 
 
 def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_config: EngineConfig | None = None,
@@ -54,12 +53,3 @@ def build_rollout_service(model_ref: str, kernel_config: KernelConfig, engine_co
         rollout = RolloutEngine(lm, engine_config)
     return RolloutServicer(rollout, weights_fingerprint=weights_fingerprint,
                            max_sequences_per_request=max_sequences_per_request)
-
-
-def serve_rollout(servicer: RolloutServicer, config: ServerConfig | None = None) -> GrpcServer:
-    """Start a ``GrpcServer`` for ``servicer`` (health, reflection, auth, TLS per ``config``);
-    stopping the server closes the servicer."""
-    server = GrpcServer(config)
-    server.add_service(SERVICE_NAME, servicer, RolloutServicer.register)
-    server.start()
-    return server

@@ -38,7 +38,6 @@ from . import requests
 from .admission import AdmissionGate
 from .worker import EngineWorker, WorkerStopped
 
-SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 #: How often a waiting Generate call checks that its client is still there.
 POLL_SECONDS = 0.05
 
@@ -60,9 +59,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._weight_sha256 = self.lm.weights_sha256
         self._weight_version = engine.weight_version
 
-    @staticmethod
-    def register(servicer: RolloutServicer, server: grpc.Server) -> None:
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
 
     def close(self) -> None:
         self.worker.close()

@@ -1,6 +1,6 @@
 """``JobConfinement``: what a trainer started for one job lets its callers name on its disk.
 
-A trainer launched for a job (``RoleOptions.job_dir``, set by the launcher to the job's checkpoint
+A trainer launched for a job (``TrainerOptions.job_dir``, set by the launcher to the job's checkpoint
 directory or its work directory under the controller's state) serves ``ExportWeights``,
 ``SaveCheckpoint`` and ``RestoreCheckpoint`` only for directories inside that job directory: the
 path must be absolute, carry no ``..`` component (INVALID_ARGUMENT naming the field), and resolve —

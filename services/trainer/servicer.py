@@ -56,8 +56,6 @@ from onpolicy.weights import prune_weight_versions
 from . import requests
 from .confine import JobConfinement
 
-SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
-
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self, engine: TrainerEngine, confinement: JobConfinement | None = None) -> None:
@@ -80,9 +78,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         """Why the engine is unusable ("" while it runs)."""
         return getattr(self.engine, "failed", "")
 
-    @staticmethod
-    def register(servicer: TrainerServicer, server: grpc.Server) -> None:
-        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
 
     def ComputeLogprobs(self, request: trainer_pb2.ComputeLogprobsRequest, context: grpc.ServicerContext,
                         ) -> trainer_pb2.ComputeLogprobsResponse:

@@ -390,11 +390,12 @@ def test_grafana_dashboard_configmap(render) -> None:
 
 
 @pytest.mark.parametrize("name", ["grafana/onpolicy.json", "prometheus/rules.yaml"])
-def test_chart_copies_equal_their_source_in_deploy(name: str) -> None:
-    """Helm reads only files inside the chart: the chart carries copies of deploy/'s dashboard and
-    rules. deploy/ is the source; after editing it: cp deploy/{name} helm/onpolicy/files/{name}"""
-    assert (CHART / "files" / name).read_bytes() == (ROOT / "deploy" / name).read_bytes(), \
-        f"helm/onpolicy/files/{name} differs from deploy/{name}: cp deploy/{name} helm/onpolicy/files/{name}"
+def test_deploy_links_to_the_one_source_in_the_chart(name: str) -> None:
+    """Helm reads only files inside the chart, so the dashboard and the rules live there, once;
+    deploy/ links to them (one file, nothing to keep in sync)."""
+    link = ROOT / "deploy" / name
+    assert link.is_symlink() and link.resolve() == (CHART / "files" / name).resolve()
+    assert not (CHART / "files" / name).is_symlink()
 
 
 # ---- NOTES ------------------------------------------------------------------------------------------

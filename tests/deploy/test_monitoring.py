@@ -195,13 +195,14 @@ def scrape(url: str) -> str:
 def live_role_metrics() -> Iterator[dict[str, str]]:
     """The verifier, rollout and trainer services started in-process (tiny-qwen3) with their
     /metrics endpoints, scraped over HTTP."""
-    from onpolicy.services.roles import RoleOptions, start_role
+    from onpolicy.kernels import KernelConfig
+    from onpolicy.services.roles import ROLES, start_role
 
     started = []
     try:
         for role in ("verifier", "rollout", "trainer"):
-            started.append((role, start_role(role, RoleOptions(model="tiny-qwen3", kv_tile=16, job="deploy-test"),
-                                             metrics_host="127.0.0.1")))
+            opts = ROLES[role].options(model="tiny-qwen3", kernels=KernelConfig(kv_tile=16), job="deploy-test")
+            started.append((role, start_role(opts, metrics_host="127.0.0.1")))
         yield {role: scrape(rs.metrics.url) for role, rs in started}
     finally:
         for _, rs in started:

@@ -93,30 +93,25 @@ def _model(family: str, dtype: str, load_tiny, bias: bool = False) -> CausalLM:
 
 def _steps(model: CausalLM, seqs: list[list[int]], stacked: bool) -> tuple[list[torch.Tensor], KVCache]:
     """Hidden states of three engine-like steps over a fresh paged cache (sequence s on pages s*4..):
-    a prefill of every sequence but its last 2 tokens, then one token of each, then one of the first."""
+    a prefill of every sequence but its last 2 tokens, then one token of each, then one of the first;
+    ``stacked``: with the model's stack taken once up front, as an engine does at load time."""
     cache = KVCache(model.config.num_layers, 4 * len(seqs), PAGE, model.num_local_kv_heads, model.config.head_dim,
                     model.dtype)
     done = [len(s) - 2 for s in seqs]
     plan = [[(s, 0, done[s]) for s in range(len(seqs))], [(s, done[s], 1) for s in range(len(seqs))],
             [(0, done[0] + 1, 1)]]
-    ops = model.ops
-    if not stacked:
-        ops.decoder_stack = lambda *a, **k: None  # this instance only: the per-operator path
+    stack = model.dense_stack() if stacked else None
+    assert stack is not None or not stacked
     outs = []
-    try:
-        for step in plan:
-            ids = [t for s, a, n in step for t in seqs[s][a:a + n]]
-            pos = [p for _, a, n in step for p in range(a, a + n)]
-            slots = [s * 4 * PAGE + p for s, a, n in step for p in range(a, a + n)]
-            batch = AttentionBatch.build([n for _, _, n in step], [a for _, a, _ in step],
-                                         [a + n for _, a, n in step])
-            table = torch.tensor([[s * 4 + j for j in range(4)] for s, _, _ in step])
-            ctx = PagedContext(cache, batch, table, torch.tensor(slots))
-            with torch.no_grad():
-                outs.append(model.hidden(torch.tensor(ids), torch.tensor(pos), ctx))
-    finally:
-        if not stacked:
-            del ops.decoder_stack
+    for step in plan:
+        ids = [t for s, a, n in step for t in seqs[s][a:a + n]]
+        pos = [p for _, a, n in step for p in range(a, a + n)]
+        slots = [s * 4 * PAGE + p for s, a, n in step for p in range(a, a + n)]
+        batch = AttentionBatch.build([n for _, _, n in step], [a for _, a, _ in step], [a + n for _, a, n in step])
+        table = torch.tensor([[s * 4 + j for j in range(4)] for s, _, _ in step])
+        ctx = PagedContext(cache, batch, table, torch.tensor(slots))
+        with torch.no_grad():
+            outs.append(model.hidden(torch.tensor(ids), torch.tensor(pos), ctx, stack=stack))
     return outs, cache
 
 
@@ -218,7 +213,7 @@ def test_the_stack_follows_replaced_and_updated_parameters(load_tiny) -> None:
     updated, _ = _steps(model, seqs, stacked=True)
     assert torch.equal(updated[1], _steps(model, seqs, stacked=False)[0][1])
     assert not torch.equal(updated[1], before[1])
-    # parameters replaced by new objects (load_state_dict(assign=True)): the stack is rebuilt
+    # parameters replaced by new objects (load_state_dict(assign=True)): a stack taken afterwards holds them
     state = {k: v.clone() * (0.5 if k.endswith("q_proj.weight") else 1) for k, v in model.state_dict().items()}
     model.load_state_dict(state, assign=True)
     replaced, _ = _steps(model, seqs, stacked=True)
@@ -227,7 +222,15 @@ def test_the_stack_follows_replaced_and_updated_parameters(load_tiny) -> None:
     assert not torch.equal(replaced[1], updated[1])
 
 
-def test_overridden_operators_and_forward_hooks_take_the_per_operator_path(load_tiny) -> None:
+def test_the_engine_takes_the_stack_once_at_load_time(load_tiny) -> None:
+    from onpolicy.rollout import EngineConfig, RolloutEngine
+
+    config = EngineConfig(kv_cache_tokens=64)
+    assert RolloutEngine(load_tiny("tiny-llama", kv_tile=PAGE), config).runner.stack is not None
+    assert RolloutEngine(load_tiny("tiny-qwen3-moe", kv_tile=PAGE), config).runner.stack is None
+
+
+def test_overridden_operators_and_a_runner_without_stack_take_the_per_operator_path(load_tiny) -> None:
     from onpolicy.kernels.reference import ReferenceBackend
 
     class Doubled(ReferenceBackend):
@@ -249,9 +252,11 @@ def test_overridden_operators_and_forward_hooks_take_the_per_operator_path(load_
         calls: list[object] = []
         model.ops.decoder_stack = lambda *a, **k: calls.append(a)  # type: ignore[method-assign]
         try:
+            _steps(model, [[1, 2, 3, 4]], stacked=False)
+            assert not calls and seen == ["mlp"] * 3  # without a stack every module runs, once per step
             _steps(model, [[1, 2, 3, 4]], stacked=True)
+            assert len(calls) == 3  # with one, the layers are one call per step
         finally:
             del model.ops.decoder_stack
-        assert not calls and seen == ["mlp"] * 3  # the hook's module ran, once per step
     finally:
         handle.remove()

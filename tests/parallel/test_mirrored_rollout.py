@@ -59,12 +59,10 @@ def test_dead_peer_is_named_and_peers_end(ray_cluster: None, load_tiny: Callable
 
 def test_job_spec_degrees_reach_the_rollout_engine(ray_cluster: None, tiny_paths: object) -> None:
     from onpolicy.jobs.spec import parse_spec
-    from onpolicy.services.cluster.actors import role_options
-    from onpolicy.services.roles import RoleOptions, build_role_servicer
+    from onpolicy.services.roles import ROLES, options_for
 
-    opts = RoleOptions(**role_options(parse_spec({"model": "tiny-qwen3", "parallel": {"rollout": {"tp": 2}}}),
-                                      "rollout"))
-    servicer, _ = build_role_servicer("rollout", opts)
+    opts = options_for(parse_spec({"model": "tiny-qwen3", "parallel": {"rollout": {"tp": 2}}}), "rollout")
+    servicer = ROLES["rollout"].build(opts)
     engine = servicer.engine
     assert isinstance(engine, MirroredRolloutEngine) and engine.world == 2 and len(engine.peers.actors) == 1
     servicer.close()  # what stopping the service does: the peer rank ends with it

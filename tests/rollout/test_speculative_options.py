@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from onpolicy.jobs.spec import SpecError, parse_spec
+from onpolicy.kernels import KernelConfig
+from onpolicy.rollout import EngineConfig
+from onpolicy.rollout.speculative import SpeculativeConfig
 from onpolicy.services import api
-from onpolicy.services.cluster.actors import role_options
 from onpolicy.services.common.client import connect
 from onpolicy.services.common.role_metrics import RolloutMetrics
 from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
-from onpolicy.services.roles import RoleOptions, build_role_servicer
-from onpolicy.services.rollout.service import serve_rollout
+from onpolicy.services.roles import RolloutOptions, options_for, start_role
 
 CLI = [sys.executable, "-m", "onpolicy.cli.main"]
 
@@ -34,8 +35,8 @@ def test_spec_fields_default_round_trip_and_reach_the_rollout_role() -> None:
     msg = spec_to_proto(spec)
     assert msg.rollout.HasField("speculative") and msg.rollout.num_speculative_tokens == 6
     assert spec_from_proto(msg) == spec
-    opts = role_options(spec, "rollout")
-    assert (opts["speculative"], opts["num_speculative_tokens"]) == ("ngram", 6)
+    opts = options_for(spec, "rollout")
+    assert opts.engine_config.speculative == SpeculativeConfig(method="ngram", num_tokens=6)
 
 
 @pytest.mark.parametrize("rollout, field", [
@@ -50,9 +51,9 @@ def test_bad_speculative_specs_name_the_field(rollout: dict, field: str) -> None
     assert field in str(e.value)
 
 
-def _serve_generate(opts: RoleOptions, req: object) -> tuple[list, dict[str, float]]:
-    servicer, _ = build_role_servicer("rollout", opts)
-    server = serve_rollout(servicer)
+def _serve_generate(opts: RolloutOptions, req: object) -> tuple[list, dict[str, float]]:
+    role = start_role(opts)
+    servicer, server = role.servicer, role.server
     channel = connect(server.address)
     try:
         comps = [r.completion for r in api.rollout_pb2_grpc.RolloutServiceStub(channel).Generate(req, timeout=300)]
@@ -68,9 +69,10 @@ def test_rollout_role_serves_speculative_completions_bitwise(tmp_home: Path) -> 
     req = api.rollout_pb2.GenerateRequest(
         prompts=[api.rollout_pb2.Prompt(prompt_ids=[5, 6, 7, 8] * 4), api.rollout_pb2.Prompt(prompt_ids=[9, 40, 3])],
         params=api.rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=24, n=1, ignore_eos=True))
-    plain, plain_counters = _serve_generate(RoleOptions(model="tiny-qwen3", kv_tile=16), req)
-    spec, counters = _serve_generate(RoleOptions(model="tiny-qwen3", kv_tile=16, speculative="ngram",
-                                                 num_speculative_tokens=3), req)
+    kernels = KernelConfig(kv_tile=16)
+    plain, plain_counters = _serve_generate(RolloutOptions(model="tiny-qwen3", kernels=kernels), req)
+    spec, counters = _serve_generate(RolloutOptions(model="tiny-qwen3", kernels=kernels, engine_config=EngineConfig(
+        max_num_seqs=64, speculative=SpeculativeConfig(method="ngram", num_tokens=3))), req)
     assert plain_counters["onpolicy_rollout_spec_drafted_tokens_total"] == 0
     drafted = counters["onpolicy_rollout_spec_drafted_tokens_total"]
     assert drafted >= counters["onpolicy_rollout_spec_accepted_tokens_total"] > 0

@@ -11,11 +11,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from onpolicy.kernels import KernelConfig
+from onpolicy.rollout import EngineConfig
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
-from onpolicy.services.roles import RoleOptions, start_role_server
+from onpolicy.services.roles import RolloutOptions, TrainerOptions, start_role
 
 TOKEN = "fuzz-token"
+KV16 = KernelConfig(kv_tile=16)
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE}
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -30,8 +33,9 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 @pytest.fixture(scope="module")
 def servers():
-    opts = RoleOptions(model="tiny-qwen3", kv_tile=16, max_num_seqs=8, max_batched_tokens=256)
-    started = {r: start_role_server(r, opts, token=TOKEN) for r in ("rollout", "trainer")}
+    started = {"rollout": start_role(RolloutOptions(model="tiny-qwen3", kernels=KV16, engine_config=EngineConfig(
+                   max_num_seqs=8, max_batched_tokens=256)), token=TOKEN).server,
+               "trainer": start_role(TrainerOptions(model="tiny-qwen3", kernels=KV16), token=TOKEN).server}
     yield {r: connect(s.address, token=TOKEN) for r, s in started.items()}
     for s in started.values():
         s.stop(grace=0)

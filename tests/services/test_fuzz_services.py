@@ -17,14 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz_rpcs import ALLOWED, FLOATS, IDS, INT32, INT64, call_ok_or_allowed, still_serving
 
+from onpolicy.kernels import KernelConfig
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
-from onpolicy.services.common.server import GrpcServer, ServerConfig
+from onpolicy.services.common.server import ServerConfig
 from onpolicy.services.controller.controller import JobController
-from onpolicy.services.controller.servicer import JobServicer
-from onpolicy.services.roles import RoleOptions, start_role_server
+from onpolicy.services.controller.servicer import jobs_server
+from onpolicy.services.roles import TrainerOptions, VerifierOptions, start_role
+from onpolicy.verification.config import VerifierConfig
 
 TOKEN = "fuzz-services-token"
+KV16 = KernelConfig(kv_tile=16)
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SOME = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "\x00", "../../etc/passwd", "x" * 5000, "🙂", "%s%n"]))
@@ -43,13 +46,10 @@ class NoCluster:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    opts = RoleOptions(model="tiny-qwen3", kv_tile=16, mismatch_dir=str(tmp / "mismatches"))
-    started = {r: start_role_server(r, opts, token=TOKEN) for r in ("trainer", "verifier")}
-    jobs = GrpcServer(ServerConfig(port=0, token=TOKEN))
-    jobs.add_service("onpolicy.v1.JobService", JobServicer(JobController(tmp / "controller", NoCluster())),
-                     api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    jobs.start()
-    started["jobs"] = jobs
+    started = {"trainer": start_role(TrainerOptions(model="tiny-qwen3", kernels=KV16), token=TOKEN).server,
+               "verifier": start_role(VerifierOptions(model="tiny-qwen3", kernels=KV16, verifier=VerifierConfig(
+                   mismatch_dir=str(tmp / "mismatches"))), token=TOKEN).server}
+    started["jobs"] = jobs_server(JobController(tmp / "controller", NoCluster()), ServerConfig(port=0, token=TOKEN))
     yield {r: connect(s.address, token=TOKEN) for r, s in started.items()}, tmp
     for s in started.values():
         s.stop(grace=0)

@@ -125,7 +125,8 @@ def test_a_weight_file_reaches_vllm_through_the_rollout_service(engine, trainer_
     from onpolicy.services import api
     from onpolicy.services.common.client import connect
     from onpolicy.services.common.convert import weights_ref_to_proto
-    from onpolicy.services.rollout import RolloutServicer, serve_rollout
+    from onpolicy.services.roles import serve_servicer
+    from onpolicy.services.rollout import RolloutServicer
     from onpolicy.weights import export_weights
 
     gen = torch.Generator().manual_seed(1)
@@ -135,7 +136,7 @@ def test_a_weight_file_reaches_vllm_through_the_rollout_service(engine, trainer_
             t.add_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.02)
     ref = export_weights(state, tmp_path, 2, CONFIG.fingerprint, MODEL)
     copy_weights_(trainer_lm.model, state)
-    server = serve_rollout(RolloutServicer(engine, weights_fingerprint=CONFIG.fingerprint))
+    server = serve_servicer("rollout", RolloutServicer(engine, weights_fingerprint=CONFIG.fingerprint))
     try:
         with connect(server.address) as channel:
             stub = api.rollout_pb2_grpc.RolloutServiceStub(channel)

@@ -51,15 +51,16 @@ def test_cli_exits_2_with_one_line(no_vllm, argv: list[str], capsys: pytest.Capt
 
 def test_spec_engine_travels_in_the_proto_and_reaches_the_rollout_role_only() -> None:
     from onpolicy.jobs.spec import parse_spec
-    from onpolicy.services.cluster.actors import role_options
     from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
+    from onpolicy.services.roles import ROLES, options_for
 
     spec = parse_spec({"model": "smollm2", "rollout": {"engine": "vllm", "kernels": "fast"}})
     msg = spec_to_proto(spec)
     assert msg.rollout.engine == "vllm" and spec_from_proto(msg) == spec
-    opts = {role: role_options(spec, role) for role in ("rollout", "trainer", "verifier")}
-    assert opts["rollout"]["engine"] == "vllm" and opts["rollout"]["backend"] == "fast"
-    assert opts["trainer"]["engine"] == opts["verifier"]["engine"] == "onpolicy"
+    opts = {role: options_for(spec, role) for role in ROLES}
+    assert opts["rollout"].engine == "vllm" and opts["rollout"].kernels.backend == "fast"
+    assert opts["trainer"].kernels.backend == opts["verifier"].kernels.backend == "reference"
+    assert not hasattr(opts["trainer"], "engine") and not hasattr(opts["verifier"], "engine")
 
 
 def test_submit_job_answers_failed_precondition(no_vllm, tmp_path) -> None:
@@ -69,17 +70,13 @@ def test_submit_job_answers_failed_precondition(no_vllm, tmp_path) -> None:
     from onpolicy.services import api
     from onpolicy.services.cluster.actors import RayLauncher
     from onpolicy.services.common.client import connect
-    from onpolicy.services.common.server import GrpcServer, ServerConfig
+    from onpolicy.services.common.server import ServerConfig
     from onpolicy.services.controller.controller import JobController
     from onpolicy.services.controller.convert import spec_to_proto
-    from onpolicy.services.controller.servicer import JobServicer
-    from onpolicy.services.roles import SERVICE_NAMES
+    from onpolicy.services.controller.servicer import jobs_server
 
     controller = JobController(tmp_path, RayLauncher(host="127.0.0.1"))  # role services would run here
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0))
-    server.add_service(SERVICE_NAMES["jobs"], JobServicer(controller),
-                       api.jobs_pb2_grpc.add_JobServiceServicer_to_server)
-    server.start()
+    server = jobs_server(controller, ServerConfig(host="127.0.0.1", port=0))
     try:
         with connect(server.address) as channel:
             stub = api.jobs_pb2_grpc.JobServiceStub(channel)

@@ -5,6 +5,7 @@ and the code generation behind ``onpolicy.services.api``."""
 from __future__ import annotations
 
 import filecmp
+import re
 import shutil
 import threading
 import time
@@ -232,9 +233,10 @@ def test_server_config_validation() -> None:
             ServerConfig(**bad)  # type: ignore[arg-type]
 
 
-def test_codegen_reproduces_the_package_modules(tmp_path: Path) -> None:
-    """The build hook and the import-time fallback share ``protogen``: generating afresh gives the
-    modules the package imports, with relative imports; an edited .proto makes them stale."""
+def test_codegen_reproduces_the_package_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build hook and ``python -m onpolicy.services.common.protogen`` share ``protogen``: generating
+    afresh gives the modules the package imports, with relative imports; an edited .proto makes them
+    stale, and importing stale modules fails naming the command."""
     assert protogen.is_current(generated.PROTO_ROOT, generated.OUT_ROOT)
     protos = tmp_path / "protos"
     shutil.copytree(generated.PROTO_ROOT, protos)
@@ -249,3 +251,7 @@ def test_codegen_reproduces_the_package_modules(tmp_path: Path) -> None:
     with open(protos / protogen.PACKAGE_DIR / "common.proto", "a") as f:
         f.write("// edited\n")
     assert not protogen.is_current(protos, tmp_path / "out")
+    monkeypatch.setattr(generated, "PROTO_ROOT", protos)  # a checkout whose .proto changed since the build
+    monkeypatch.setattr(generated, "OUT_ROOT", tmp_path / "out")
+    with pytest.raises(ImportError, match=re.escape(generated.REGENERATE)):
+        generated.check()

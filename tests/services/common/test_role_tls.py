@@ -58,9 +58,9 @@ def test_a_job_runs_with_mutual_tls_to_its_roles(tls, tmp_path: Path) -> None:
 def test_a_role_serving_role_tls_refuses_plaintext_and_anonymous_clients(tls) -> None:
     """The server configuration the role actors use (``ServiceActor``): only a client with a
     certificate the CA signed, checked under ``server_name``, gets an answer."""
-    from onpolicy.services.roles import RoleOptions, start_role
+    from onpolicy.services.roles import RolloutOptions, start_role
 
-    role = start_role("rollout", RoleOptions(model="tiny-qwen3"), server_config=ServerConfig(
+    role = start_role(RolloutOptions(model="tiny-qwen3"), server_config=ServerConfig(
         port=0, token=TOKEN, tls_cert=tls.cert, tls_key=tls.key, tls_client_ca=tls.ca))
     address = f"127.0.0.1:{role.server.port}"
     info = api.rollout_pb2.RolloutServiceGetInfoRequest()

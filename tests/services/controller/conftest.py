@@ -6,19 +6,21 @@ from collections.abc import Iterator
 
 import pytest
 
+from onpolicy.kernels import KernelConfig
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
 from onpolicy.services.controller.loop import RoleStubs
-from onpolicy.services.roles import RoleOptions, start_role_server
+from onpolicy.services.roles import ROLES, start_role
 
 TOKEN = "loop-test-token"
+KV16 = KernelConfig(kv_tile=16)
 
 
 @pytest.fixture(scope="module")
 def stubs() -> Iterator[RoleStubs]:
     """Stubs to a rollout, a trainer and a verifier service of ``tiny-qwen3`` (one set per module)."""
-    opts = RoleOptions(model="tiny-qwen3", kv_tile=16)
-    servers = {role: start_role_server(role, opts, token=TOKEN) for role in ("rollout", "trainer", "verifier")}
+    servers = {role: start_role(r.options(model="tiny-qwen3", kernels=KV16), token=TOKEN).server
+               for role, r in ROLES.items()}
     ch = {role: connect(s.address, token=TOKEN) for role, s in servers.items()}
     yield RoleStubs(rollout=api.rollout_pb2_grpc.RolloutServiceStub(ch["rollout"]),
                     trainer=api.trainer_pb2_grpc.TrainerServiceStub(ch["trainer"]),

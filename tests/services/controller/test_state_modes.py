@@ -16,13 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from onpolicy.kernels import KernelConfig
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
 from onpolicy.services.controller.records import JobEvent, JobRecord, JobState
 from onpolicy.services.controller.store import JobStore
-from onpolicy.services.roles import RoleOptions, start_role
+from onpolicy.services.roles import TrainerOptions, start_role
 
 TOKEN = secrets.token_urlsafe(16)
+KV16 = KernelConfig(kv_tile=16)
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def test_state_checkpoints_and_weights_are_private(tmp_path: Path, open_umask, t
     store.save(rec)
     store.append_event(JobEvent(job_id="job1", step=0, state=JobState.PENDING, message="submitted"))
     job_dir = store.job_dir("job1")
-    role = start_role("trainer", RoleOptions(model="tiny-qwen3", kv_tile=16, job="job1", job_dir=str(job_dir)),
+    role = start_role(TrainerOptions(model="tiny-qwen3", kernels=KV16, job="job1", job_dir=str(job_dir)),
                       metrics_host="127.0.0.1", token=TOKEN)
     try:
         stub = api.trainer_pb2_grpc.TrainerServiceStub(connect(role.server.address, token=TOKEN))
@@ -68,7 +70,7 @@ def test_no_server_path_is_a_metrics_label(tmp_path: Path, tiny_paths) -> None:
     assert model_label("/etc") == "etc" and model_label("/srv/models/m.gguf") == "m.gguf"
     assert model_label("./models/a/") == "a" and model_label("~/m") == "m"
     model_dir = str(tiny_paths["tiny-qwen3"])  # an HF directory named by its server path
-    role = start_role("trainer", RoleOptions(model=model_dir, kv_tile=16, job="job2"), token=TOKEN,
+    role = start_role(TrainerOptions(model=model_dir, kernels=KV16, job="job2"), token=TOKEN,
                       metrics_host="127.0.0.1")
     try:
         text = urllib.request.urlopen(role.metrics.url, timeout=30).read().decode()

@@ -20,7 +20,7 @@ from onpolicy.services import api
 from onpolicy.services.common.client import connect
 from onpolicy.services.common.role_metrics import RolloutMetrics
 from onpolicy.services.common.server import ServerConfig
-from onpolicy.services.rollout.service import serve_rollout
+from onpolicy.services.roles import serve_servicer
 from onpolicy.services.rollout.servicer import RolloutServicer
 
 PROMPT = [5, 6, 7, 8]
@@ -38,7 +38,7 @@ def request(max_new: int = MAX_NEW, n: int = 1) -> api.rollout_pb2.GenerateReque
 def rollout(load_tiny: Callable[..., LoadedModel]) -> Iterator[tuple[object, RolloutServicer]]:
     engine = RolloutEngine(load_tiny("tiny-qwen3"), EngineConfig(max_num_seqs=8, kv_cache_tokens=4096))
     servicer = RolloutServicer(engine, max_inflight_tokens=COST, max_queued_requests=1)
-    server = serve_rollout(servicer)
+    server = serve_servicer("rollout", servicer)
     channel = connect(server.address)
     try:
         yield api.rollout_pb2_grpc.RolloutServiceStub(channel), servicer
@@ -111,7 +111,7 @@ def test_a_cancelled_call_leaves_the_queue(rollout) -> None:
 def test_the_server_bounds_the_rpcs_it_holds(load_tiny: Callable[..., LoadedModel]) -> None:
     engine = RolloutEngine(load_tiny("tiny-qwen3"), EngineConfig(max_num_seqs=8, kv_cache_tokens=4096))
     servicer = RolloutServicer(engine, max_inflight_tokens=COST, max_queued_requests=8)
-    server = serve_rollout(servicer, ServerConfig(port=0, max_concurrent_rpcs=2))
+    server = serve_servicer("rollout", servicer, ServerConfig(port=0, max_concurrent_rpcs=2))
     stub = api.rollout_pb2_grpc.RolloutServiceStub(connect(server.address))
     try:
         with one_admitted_one_queued(stub, servicer) as (first, second):

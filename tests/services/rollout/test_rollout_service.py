@@ -23,7 +23,8 @@ from onpolicy.services import api
 from onpolicy.services.common import model as service_model
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.common.server import GrpcServer, ServerConfig
-from onpolicy.services.rollout import RolloutServicer, UncertifiedBackend, build_rollout_service, serve_rollout
+from onpolicy.services.roles import serve_servicer
+from onpolicy.services.rollout import RolloutServicer, UncertifiedBackend, build_rollout_service
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 from onpolicy.weights import WeightsRef, export_weights
 
@@ -49,7 +50,7 @@ def home(tmp_path_factory: pytest.TempPathFactory, tiny_paths: dict[str, Path]) 
 @pytest.fixture(scope="module")
 def service(home: Path) -> Iterator[tuple[RolloutServicer, GrpcServer]]:
     servicer = build_rollout_service(MODEL, KERNELS, EngineConfig(kv_cache_tokens=1024, max_num_seqs=8))
-    server = serve_rollout(servicer, ServerConfig(token=TOKEN))
+    server = serve_servicer("rollout", servicer, ServerConfig(token=TOKEN))
     yield servicer, server
     server.stop(0)
 
@@ -228,7 +229,7 @@ def test_an_uncertified_backend_is_refused(home: Path, monkeypatch: pytest.Monke
 
 def test_stopping_the_server_stops_the_engine_thread(home: Path) -> None:
     servicer = build_rollout_service(MODEL, KERNELS, EngineConfig(kv_cache_tokens=1024))
-    server = serve_rollout(servicer)
+    server = serve_servicer("rollout", servicer)
     with connect(server.address) as ch:
         stub = api.rollout_pb2_grpc.RolloutServiceStub(ch)
         stream = stub.Generate(pb.GenerateRequest(prompts=PROMPTS[:1], params=pb.SamplingParams(

@@ -16,14 +16,14 @@ from onpolicy.jobs.spec import parse_spec
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import num_threads
 from onpolicy.services import api
-from onpolicy.services.cluster.actors import RayLauncher, role_options
+from onpolicy.services.cluster.actors import RayLauncher
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.common.server import GrpcServer, ServerConfig
 from onpolicy.services.controller.controller import JobController
 from onpolicy.services.controller.convert import spec_to_proto
-from onpolicy.services.controller.servicer import JobServicer
+from onpolicy.services.controller.servicer import jobs_server
+from onpolicy.services.roles import options_for, serve_servicer
 from onpolicy.services.trainer.service import build_trainer_service
-from onpolicy.services.trainer.servicer import SERVICE_NAME, TrainerServicer
 from onpolicy.trainer.config import TrainerConfig, TrainSample
 from onpolicy.trainer.data_parallel import DataParallelEngine
 
@@ -31,10 +31,7 @@ pb = api.trainer_pb2
 
 
 @contextmanager
-def _served(name: str, servicer: object, register: object) -> Iterator[grpc.Channel]:
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0))
-    server.add_service(name, servicer, register)  # type: ignore[arg-type]
-    server.start()
+def _served(server: GrpcServer) -> Iterator[grpc.Channel]:
     channel = connect(server.address)
     try:
         yield channel
@@ -60,7 +57,7 @@ def test_trainer_service_with_two_ranks_equals_one(ray_cluster: None, batches: l
                                              data_parallel=dp)
             assert isinstance(servicer.engine, DataParallelEngine) == (dp > 1)
             try:
-                with _served(SERVICE_NAME, servicer, TrainerServicer.register) as ch:
+                with _served(serve_servicer("trainer", servicer, ServerConfig(host="127.0.0.1", port=0))) as ch:
                     stub = api.trainer_pb2_grpc.TrainerServiceStub(ch)
                     steps = [stub.TrainStep(_request(b, mb), timeout=120)
                              for b, mb in zip(batches, (1, 2), strict=True)]
@@ -77,11 +74,11 @@ def test_trainer_service_with_two_ranks_equals_one(ray_cluster: None, batches: l
 def test_spec_degrees_reach_the_trainer_role() -> None:
     spec = parse_spec({"model": "tiny-qwen3", "parallel": {"trainer": {"dp": 2}},
                        "resources": {"trainer": {"npus": 2}}})
-    opts = role_options(spec, "trainer")
-    assert (opts["trainer_dp"], opts["trainer_dp_npus"]) == (2, 2)
-    opts = role_options(parse_spec({"model": "tiny-qwen3-moe", "parallel": {"trainer": {"tp": 2, "ep": 4}}}),
-                        "trainer")
-    assert (opts["trainer_tp"], opts["trainer_ep"], opts["trainer_dp"]) == (2, 4, 1)
+    opts = options_for(spec, "trainer")
+    assert (opts.dp, opts.peer_npus) == (2, 2)
+    opts = options_for(parse_spec({"model": "tiny-qwen3-moe", "parallel": {"trainer": {"tp": 2, "ep": 4}}}),
+                       "trainer")
+    assert (opts.tp, opts.ep, opts.dp) == (2, 4, 1)
 
 
 @pytest.mark.parametrize(("parallel", "field", "text"), [
@@ -91,8 +88,7 @@ def test_spec_degrees_reach_the_trainer_role() -> None:
 def test_job_service_refuses_degrees_it_does_not_run(tmp_path: Path, parallel: dict, field: str, text: str) -> None:
     controller = JobController(tmp_path, RayLauncher())
     try:
-        with _served("onpolicy.v1.JobService", JobServicer(controller),
-                     api.jobs_pb2_grpc.add_JobServiceServicer_to_server) as ch:
+        with _served(jobs_server(controller, ServerConfig(host="127.0.0.1", port=0))) as ch:
             spec = parse_spec({"model": "tiny-qwen3", "parallel": parallel})
             with pytest.raises(grpc.RpcError) as e:
                 api.jobs_pb2_grpc.JobServiceStub(ch).SubmitJob(

@@ -15,8 +15,9 @@ from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
-from onpolicy.services.common.server import GrpcServer, ServerConfig
-from onpolicy.services.trainer.servicer import SERVICE_NAME, TrainerServicer
+from onpolicy.services.common.server import ServerConfig
+from onpolicy.services.roles import serve_servicer
+from onpolicy.services.trainer.servicer import TrainerServicer
 from onpolicy.trainer.engine import TrainerEngine
 
 pb = api.trainer_pb2
@@ -28,10 +29,8 @@ def trainer(load_tiny: Callable[..., LoadedModel]) -> Iterator[tuple[object, lis
     lm = load_tiny(MODEL, fresh=True)
     comps = RolloutEngine(lm, EngineConfig(kv_cache_tokens=256)).generate(
         [[1, 2, 3, 4]], SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=3, ignore_eos=True))
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0))
-    server.add_service(SERVICE_NAME, TrainerServicer(TrainerEngine(load_tiny(MODEL, fresh=True))),
-                       TrainerServicer.register)
-    server.start()
+    server = serve_servicer("trainer", TrainerServicer(TrainerEngine(load_tiny(MODEL, fresh=True))),
+                            ServerConfig(host="127.0.0.1", port=0))
     channel = connect(server.address)
     try:
         yield api.trainer_pb2_grpc.TrainerServiceStub(channel), comps

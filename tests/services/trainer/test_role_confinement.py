@@ -15,11 +15,13 @@ import grpc
 import pytest
 
 from onpolicy.jobs.spec import parse_spec
+from onpolicy.kernels import KernelConfig
 from onpolicy.services import api
 from onpolicy.services.common.client import connect, field_violations
-from onpolicy.services.roles import RoleOptions, start_role
+from onpolicy.services.roles import TrainerOptions, start_role
 
 TOKEN = secrets.token_urlsafe(16)
+KV16 = KernelConfig(kv_tile=16)
 tp = api.trainer_pb2
 
 
@@ -40,7 +42,7 @@ def trainer(tmp_path_factory):
     for d in (mine, other, outside):
         d.mkdir(parents=True)
     (mine / "escape").symlink_to(outside, target_is_directory=True)
-    role = start_role("trainer", RoleOptions(model="tiny-qwen3", kv_tile=16, job="job-a", job_dir=str(mine)),
+    role = start_role(TrainerOptions(model="tiny-qwen3", kernels=KV16, job="job-a", job_dir=str(mine)),
                       token=TOKEN)
     channel = connect(role.server.address, token=TOKEN)
     yield api.trainer_pb2_grpc.TrainerServiceStub(channel), mine, other, outside
@@ -79,7 +81,7 @@ def test_a_forged_job_id_neither_writes_nor_restores(trainer) -> None:
                                 timeout=60)
     assert Path(saved.path).parent == mine / "checkpoints"
     # another job's checkpoint placed inside this job's directory is still not restored
-    other_role = start_role("trainer", RoleOptions(model="tiny-qwen3", kv_tile=16, job="job-b",
+    other_role = start_role(TrainerOptions(model="tiny-qwen3", kernels=KV16, job="job-b",
                                                    job_dir=str(other)), token=TOKEN)
     try:
         other_stub = api.trainer_pb2_grpc.TrainerServiceStub(connect(other_role.server.address, token=TOKEN))

@@ -17,8 +17,9 @@ from onpolicy.models.loading import LoadedModel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.services import api
 from onpolicy.services.common.client import connect, field_violations
-from onpolicy.services.common.server import GrpcServer, ServerConfig
-from onpolicy.services.trainer.servicer import SERVICE_NAME, TrainerServicer
+from onpolicy.services.common.server import ServerConfig
+from onpolicy.services.roles import serve_servicer
+from onpolicy.services.trainer.servicer import TrainerServicer
 from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.engine import TrainerEngine
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
@@ -40,9 +41,7 @@ def completions(load_tiny: Callable[..., LoadedModel]) -> list[object]:
 def served(load_tiny: Callable[..., LoadedModel]) -> Iterator[tuple[api.trainer_pb2_grpc.TrainerServiceStub,
                                                                    TrainerServicer]]:
     servicer = TrainerServicer(TrainerEngine(load_tiny(MODEL, fresh=True)))
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0))
-    server.add_service(SERVICE_NAME, servicer, TrainerServicer.register)
-    server.start()
+    server = serve_servicer("trainer", servicer, ServerConfig(host="127.0.0.1", port=0))
     channel = connect(server.address)
     try:
         yield api.trainer_pb2_grpc.TrainerServiceStub(channel), servicer

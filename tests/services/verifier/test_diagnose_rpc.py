@@ -13,12 +13,14 @@ from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.services import api
 from onpolicy.services.common.client import connect, field_violations
 from onpolicy.services.common.convert import completion_to_proto
-from onpolicy.services.roles import RoleOptions, start_role_server
+from onpolicy.services.roles import VerifierOptions, start_role
+
+KV16 = KernelConfig(kv_tile=16)
 
 
 @pytest.fixture(scope="module")
 def verifier():
-    server = start_role_server("verifier", RoleOptions(model="tiny-qwen3", kv_tile=16))
+    server = start_role(VerifierOptions(model="tiny-qwen3", kernels=KV16)).server
     yield api.verifier_pb2_grpc.VerifierServiceStub(connect(server.address))
     server.stop(grace=0)
 
