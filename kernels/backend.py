@@ -70,6 +70,15 @@ SINGLE: ShardGroup = _Single()
 """The unsharded group (degree 1)."""
 
 
+@dataclass(frozen=True)
+class ModelParallel:
+    """The groups a model's operators reduce over: tensor parallel (``tp``) and expert parallel
+    (``ep``); both ``SINGLE`` for an unsharded model (``onpolicy.parallel.parallelize`` shards one)."""
+
+    tp: ShardGroup = field(default=SINGLE)
+    ep: ShardGroup = field(default=SINGLE)
+
+
 class RowWeight(Protocol):
     """The weight of a row-parallel linear as this rank holds it."""
 

@@ -15,9 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from onpolicy.kernels import Backend
-from onpolicy.kernels.backend import DenseStack
+from onpolicy.kernels.backend import DenseStack, ModelParallel
 from onpolicy.kernels.truncation import RowTruncation
-from onpolicy.parallel.layout import ModelParallel, check_degrees
 
 from .config import ModelConfig, RopeScaling
 from .context import AttentionContext
@@ -64,23 +63,32 @@ def resolve_tied_head(cfg: ModelConfig, tensors: Mapping[str, Tensor]) -> ModelC
     return cfg
 
 
+def check_reduce_chunks(cfg: ModelConfig, reduce_chunks: int) -> None:
+    """``ValueError`` unless the canonical row reduction's ``reduce_chunks`` divides the input dims of
+    ``o_proj`` and ``down_proj`` (the attention width, the intermediate size)."""
+    for name, size in (("intermediate_size", cfg.intermediate_size), ("attention width", cfg.num_heads * cfg.head_dim)):
+        if size and size % reduce_chunks:
+            raise ValueError(f"reduce_chunks={reduce_chunks} must divide the {name} {size}")
+
+
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, par: ModelParallel) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, par) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Backend, par: ModelParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Backend) -> None:
         super().__init__()
+        check_reduce_chunks(cfg, ops.config.reduce_chunks)
         self.config = cfg
         self.ops = ops
-        self.parallel = par or ModelParallel()
-        check_degrees(cfg, self.parallel.tp.degree, self.parallel.ep.degree, ops.config.reduce_chunks)
-        self.model = Decoder(cfg, self.parallel)
+        self.parallel = ModelParallel()
+        """The groups the layers reduce over: unsharded here, set by ``onpolicy.parallel.parallelize``."""
+        self.model = Decoder(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
         self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
@@ -132,7 +140,7 @@ class CausalLM(nn.Module):
         """The decoder layers as the operands of ``Backend.decoder_stack`` (their parameters, by
         reference: updates in place, e.g. a weight sync, are seen), or None when a layer is not the
         dense pre-norm layer it describes (MoE, tensor/expert parallel, a subclassed module)."""
-        return dense_stack(self.config, self.model.layers, self.parallel)
+        return dense_stack(self.config, self.model.layers)
 
     def lm_head_fp32(self) -> Tensor:
         """The LM-head weight in fp32 (tied to the embeddings when the config says so). Without

@@ -1,13 +1,12 @@
-"""Checkpoint loading: HF directories (config.json + safetensors, sharded index) and GGUF files,
-into a ``CausalLM`` on a given backend, plus the weight checksum every service reports, and the
-tensor/expert-parallel model built from a full state dict (``shard_model``; the slicing rule is
-``onpolicy.models.sharding``)."""
+"""Model loading: HF directories (config.json + safetensors, sharded index) and GGUF files, into a
+``CausalLM`` on a given backend, plus the weight checksum every service reports and in-place weight
+updates (a sharded model's, ``onpolicy.parallel.parallelize``, take its shard of the full state)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from onpolicy.kernels import Backend
-from onpolicy.parallel.layout import ModelParallel
 
 from .causal_lm import CausalLM, resolve_tied_head
 from .chat_template import ChatTemplateError, read_chat_template, read_tokenizer_config, special_tokens
@@ -102,27 +100,15 @@ def read_hf_tokenizer(path: Path, config: dict) -> Tokenizer | None:
     return Tokenizer(inner, template, eos, specials)
 
 
-def shard_model(lm: LoadedModel, par: ModelParallel) -> LoadedModel:
-    """``lm`` rebuilt to hold this rank's shard under ``par`` (same name, tokenizer and checksum,
-    which name the full weights)."""
-    with torch.device("meta"):
-        model = CausalLM(lm.config, lm.model.ops, par)
-    model.load_state_dict(shard_state_dict(lm.model.state_dict(), lm.config, model.parallel), assign=True)
-    model.requires_grad_(False)
-    return replace(lm, model=model.to_device(lm.model.device))
-
-
-def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str,
-                par: ModelParallel | None = None) -> CausalLM:
-    """A ``CausalLM`` from full HF-named tensors; with ``par`` the model holds this rank's shard."""
+def build_model(config: dict, tensors: dict[str, Tensor], ops: Backend, source: str) -> CausalLM:
+    """A ``CausalLM`` from full HF-named tensors."""
     cfg = resolve_tied_head(ModelConfig.from_hf(config), tensors)
     with torch.device("meta"):
-        model = CausalLM(cfg, ops, par)
+        model = CausalLM(cfg, ops)
     expected = dict(model.named_parameters())
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    tensors = shard_state_dict(tensors, cfg, model.parallel)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:

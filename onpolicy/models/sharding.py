@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from onpolicy.parallel.layout import ModelParallel
+from onpolicy.kernels.backend import ModelParallel
 
 from .config import ModelConfig
 

@@ -87,8 +87,8 @@ def _worker(rank: int, world: int, specs: list[CheckSpec]) -> list[list[JobResul
 
 
 def _run_spec(rank: int, world: int, spec: CheckSpec) -> list[JobResult] | None:
-    from onpolicy.models.loading import shard_model
     from onpolicy.models.registry import load_model
+    from onpolicy.parallel.parallelize import shard_model
     from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
     from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from onpolicy.kernels.backend import SINGLE, ShardGroup
+from onpolicy.kernels.backend import SINGLE, ModelParallel, ShardGroup
 
-from .layout import Layout, ModelParallel
+from .layout import Layout
 
 DEFAULT_TIMEOUT_S = 120.0
 

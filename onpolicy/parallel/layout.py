@@ -18,10 +18,10 @@ replicated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from onpolicy.kernels.backend import SINGLE, ShardGroup
+from onpolicy.models.causal_lm import check_reduce_chunks
 
 if TYPE_CHECKING:
     from onpolicy.models.config import ModelConfig
@@ -65,9 +65,7 @@ def check_degrees(cfg: ModelConfig, tp: int, ep: int, reduce_chunks: int) -> Non
         raise ValueError(f"tp={tp} must divide the {cfg.num_heads} attention heads")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise ValueError(f"tp={tp} and the {cfg.num_kv_heads} KV heads must divide one another")
-    for name, size in (("intermediate_size", cfg.intermediate_size), ("attention width", cfg.num_heads * cfg.head_dim)):
-        if size and size % reduce_chunks:
-            raise ValueError(f"reduce_chunks={reduce_chunks} must divide the {name} {size}")
+    check_reduce_chunks(cfg, reduce_chunks)
     if ep > 1:
         if not cfg.num_experts:
             raise ValueError(f"ep={ep} needs a mixture-of-experts model ({cfg.family} has no experts)")
@@ -93,11 +91,3 @@ def head_shard(cfg: ModelConfig, tp: int, index: int) -> HeadShard:
         return HeadShard(index * hq, hq, index * hkv, hkv)
     group = cfg.num_heads // cfg.num_kv_heads
     return HeadShard(index * hq, hq, index * hq // group, 1)
-
-
-@dataclass(frozen=True)
-class ModelParallel:
-    """The groups a sharded model's layers reduce over (``SINGLE`` when unsharded)."""
-
-    tp: ShardGroup = field(default=SINGLE)
-    ep: ShardGroup = field(default=SINGLE)

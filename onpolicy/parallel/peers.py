@@ -49,7 +49,7 @@ def peer_model(model: str, kernel_config: KernelConfig, threads: int, loader: Lo
 def sharded_peer_model(layout: Layout, port: int, model: str, kernel_config: KernelConfig, threads: int,
                        timeout_s: float, loader: Loader | None) -> LoadedModel:
     """``peer_model``, then join the gloo world of ``layout`` on ``port`` and keep this rank's shard."""
-    from onpolicy.models.loading import shard_model
+    from onpolicy.parallel.parallelize import shard_model
 
     from .groups import init_loopback, model_parallel
 
@@ -124,7 +124,7 @@ def start_sharded(kind: str, worker: type, lm: LoadedModel, tp: int, ep: int, *,
 
     import torch
 
-    from onpolicy.models.loading import shard_model
+    from onpolicy.parallel.parallelize import shard_model
 
     from .groups import init_loopback, model_parallel
     from .launch import free_port

@@ -31,6 +31,7 @@ from torch import Tensor
 from onpolicy.models.causal_lm import CausalLM
 from onpolicy.models.loading import LoadedModel, weights_sha256
 from onpolicy.models.sharding import REPLICATED, placement, shard_state_dict, unshard_state_dict
+from onpolicy.parallel.parallelize import parallelize
 from onpolicy.weights import WeightsRef, export_weights
 
 from .checkpoint import CheckpointError, CheckpointState, save_checkpoint
@@ -185,7 +186,7 @@ class TrainerEngine:
     def _clone_model(self, state: dict[str, Tensor]) -> CausalLM:
         """A frozen model of this engine's layout on ``state`` (this rank's shard)."""
         with torch.device("meta"):
-            ref = CausalLM(self.model.config, self.model.ops, self.model.parallel)
+            ref = parallelize(CausalLM(self.model.config, self.model.ops), self.model.parallel)
         ref.load_state_dict({k: v.to(self.model.device, self.model.dtype) for k, v in state.items()}, assign=True)
         ref.rope_cos, ref.rope_sin = self.model.rope_cos, self.model.rope_sin
         return ref.requires_grad_(False)

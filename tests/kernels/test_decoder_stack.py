@@ -149,7 +149,7 @@ def test_the_stack_gives_the_per_operator_bits_and_cache(load_tiny, family: str,
 
 def test_the_stack_is_thread_count_and_path_independent(load_tiny) -> None:
     model = _model("tiny-qwen3", "bf16", load_tiny)
-    stack = dense_stack(model.config, model.model.layers, model.parallel)
+    stack = dense_stack(model.config, model.model.layers)
     assert stack is not None
     gen = torch.Generator().manual_seed(2)
     n = 3
@@ -167,9 +167,9 @@ def test_the_stack_is_thread_count_and_path_independent(load_tiny) -> None:
 
 def test_the_stack_declines_what_it_does_not_describe(load_tiny) -> None:
     moe = _model("tiny-qwen3-moe", "fp32", load_tiny)
-    assert dense_stack(moe.config, moe.model.layers, moe.parallel) is None
+    assert dense_stack(moe.config, moe.model.layers) is None
     model = _model("tiny-llama", "fp32", load_tiny)
-    stack = dense_stack(model.config, model.model.layers, model.parallel)
+    stack = dense_stack(model.config, model.model.layers)
     assert stack is not None
     cache = KVCache(model.config.num_layers, 2, PAGE, model.num_local_kv_heads, model.config.head_dim, model.dtype)
     batch = AttentionBatch.build([1], [0], [1])
@@ -238,7 +238,7 @@ def test_overridden_operators_and_a_runner_without_stack_take_the_per_operator_p
             return super().rmsnorm(x, weight, eps) * 2
 
     model = _model("tiny-llama", "fp32", load_tiny)
-    stack = dense_stack(model.config, model.model.layers, model.parallel)
+    stack = dense_stack(model.config, model.model.layers)
     cache = KVCache(model.config.num_layers, 2, PAGE, model.num_local_kv_heads, model.config.head_dim, model.dtype)
     batch = AttentionBatch.build([1], [0], [1])
     ctx = PagedContext(cache, batch, torch.tensor([[0]]), torch.tensor([0]))

@@ -18,10 +18,8 @@ from hf_support import TOL, build_hf, hf_vs_ours
 
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.models.causal_lm import CausalLM
-from onpolicy.models.layers import dense_stack
 from onpolicy.models.registry import load_model
 from onpolicy.models.tiny import tiny_checkpoint
-from onpolicy.parallel.layout import ModelParallel
 from onpolicy.rollout import EngineConfig, RolloutEngine, SamplingParams
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
 
@@ -53,7 +51,7 @@ def test_llama_attention_bias_is_on_all_four_projections(tmp_path: Path) -> None
 
 def test_qwen2_rollout_runs_the_fused_stack_bitwise_equal_to_the_trainer(load_tiny: Callable[..., object]) -> None:
     lm = load_tiny("tiny-qwen2", "bf16")
-    stack = dense_stack(lm.config, lm.model.model.layers, ModelParallel())  # type: ignore[attr-defined]
+    stack = lm.model.dense_stack()  # type: ignore[attr-defined]
     assert stack is not None
     assert all(x.q_bias is not None and x.k_bias is not None and x.v_bias is not None and x.o_bias is None
                for x in stack.layers)
