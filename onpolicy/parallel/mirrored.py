@@ -60,7 +60,7 @@ class MirroredRolloutEngine(RolloutEngine):
     (loaded from ``model_ref``; peers load it with ``loader``, a picklable function, default:
     uncertified). Peers are started by ``launch`` with ``peer_options`` (default
     ``{"num_cpus": threads}``), named ``{peer_name}-{random}-rank{r}`` when ``peer_name`` is given.
-    ``close()`` (or ``with``) ends them. ``weights_sha256`` names the full weights being served, as
+    ``close()`` (or ``with``) ends them. ``lm.weights_sha256`` names the full weights being served, as
     an unsharded engine's would."""
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *, tp: int = 1, ep: int = 1,
@@ -69,7 +69,6 @@ class MirroredRolloutEngine(RolloutEngine):
                  timeout_s: float = DEFAULT_TIMEOUT_S, peer_name: str = "") -> None:
         self.world = math.lcm(tp, ep)
         self.timeout_s = timeout_s
-        self.weights_sha256 = lm.weights_sha256
         self.peers, shard = start_sharded(
             "rollout", RolloutPeer, lm, tp, ep, launch=launch, model_ref=model_ref, config=config, loader=loader,
             threads_per_worker=threads_per_worker, peer_options=peer_options, timeout_s=timeout_s,
@@ -110,8 +109,11 @@ class MirroredRolloutEngine(RolloutEngine):
         super().update_weights(state, version)
         self.peers.mirror("update_weights", self.peers.share(state), version)
         self.peers.settle()
+
+    def _served_sha256(self, state: dict[str, torch.Tensor]) -> str:
+        """The full weights' checksum (rank 0 holds only its shard)."""
         dtype = self.lm.model.dtype
-        self.weights_sha256 = weights_sha256({k: v.to(dtype) for k, v in state.items()})
+        return weights_sha256({k: v.to(dtype) for k, v in state.items()})
 
     def close(self) -> None:
         if hasattr(self, "peers"):

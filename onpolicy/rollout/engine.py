@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from onpolicy.models.loading import LoadedModel, copy_weights_
+from onpolicy.kernels import KernelConfig
+from onpolicy.models.loading import LoadedModel, copy_weights_, weights_sha256
 
 from .block_manager import BlockManager
 from .interface import EngineSnapshot, generate, validate_request
@@ -84,8 +85,19 @@ class RolloutEngine:
         return self.blocks.num_pages * self.blocks.page_size
 
     @property
+    def kernel_config(self) -> KernelConfig:
+        return self.lm.model.ops.config
+
+    @property
     def fingerprint(self) -> str:
-        return self.lm.model.ops.config.fingerprint
+        return self.kernel_config.fingerprint
+
+    @property
+    def failed(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        """Nothing to end: the engine lives in this process."""
 
     def stats(self) -> EngineSnapshot:
         c, sched, blocks = self.counters, self.scheduler, self.blocks
@@ -200,5 +212,10 @@ class RolloutEngine:
         if self.has_unfinished():
             raise RuntimeError("cannot update weights while requests are in flight")
         copy_weights_(self.lm.model, state)
+        self.lm.weights_sha256 = self._served_sha256(state)
         self.reset_prefix_cache()
         self.weight_version = version
+
+    def _served_sha256(self, state: dict[str, torch.Tensor]) -> str:
+        """The checksum of the weights now served: the model's own (``state`` cast to its dtype)."""
+        return weights_sha256(self.lm.model.state_dict())

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from onpolicy.kernels import KernelConfig
 from onpolicy.models.config import ModelConfig
 from onpolicy.models.loading import LoadedModel
 
@@ -47,12 +48,23 @@ class Engine(Protocol):
 
     name: str
     lm: LoadedModel
-    """Our model of the served weights: tokenizer, config, the weights' sha256."""
+    """Our model of the served weights: tokenizer, config, and ``weights_sha256``, the checksum of the
+    full weights served (kept current by ``update_weights``)."""
     weight_version: int
 
     @property
+    def kernel_config(self) -> KernelConfig:
+        """The operator set the engine computes with."""
+        ...
+
+    @property
     def fingerprint(self) -> str:
-        """The ``KernelConfig`` fingerprint of the operators the engine computes with."""
+        """``kernel_config``'s fingerprint."""
+        ...
+
+    @property
+    def failed(self) -> str:
+        """Why the engine is unusable (e.g. a lost peer rank), "" while it runs."""
         ...
 
     @property
@@ -74,10 +86,15 @@ class Engine(Protocol):
     def stats(self) -> EngineSnapshot: ...
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a weight version (HF names, as our safetensors export writes them); resets the prefix cache."""
+        """Load a weight version (HF names, as our safetensors export writes them) and set
+        ``lm.weights_sha256`` to its checksum; resets the prefix cache."""
         ...
 
     def reset_prefix_cache(self) -> None: ...
+
+    def close(self) -> None:
+        """End what the engine started (peer ranks, vLLM's engine core)."""
+        ...
 
 
 def validate_request(cfg: ModelConfig, capacity_tokens: int, prompt_ids: list[int], params: SamplingParams) -> None:

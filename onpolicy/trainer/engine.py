@@ -130,6 +130,14 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ identity
     @property
+    def failed(self) -> str:
+        """Why the engine is unusable ("" while it runs; a multi-rank engine's lost rank)."""
+        return ""
+
+    def close(self) -> None:
+        """End what the engine started (a multi-rank engine's peer ranks; nothing here)."""
+
+    @property
     def kernel_fingerprint(self) -> str:
         return self.model.ops.fingerprint
 

@@ -76,9 +76,7 @@ def run_batch_invariance(make_engine: Callable[[EngineConfig], Engine], trainer_
         hot = engine.generate(targets, params)
         record("prefix cache hot", cfg, hot, alone, t0)
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
     chunked_cfg = EngineConfig(max_num_seqs=8, max_batched_tokens=chunk_tokens, kv_cache_tokens=kv)
     engine = make_engine(chunked_cfg)
     try:
@@ -86,9 +84,7 @@ def run_batch_invariance(make_engine: Callable[[EngineConfig], Engine], trainer_
         record(f"chunked prefill (max_batched_tokens={chunk_tokens})", chunked_cfg,
                engine.generate(targets, params), alone, t0)
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
     report.packings = packings = [1, 4096]
     stats = trainer_path_stats(trainer_lm, runs, packings)
     say(f"decode vs prefill (trainer path): {stats.tokens_checked} tokens checked, {stats.mismatched_tokens} "

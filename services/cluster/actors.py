@@ -103,9 +103,9 @@ class ServiceActor:
             raise RoleStartupError(self.startup_error)
         if self.role_name == "rollout":
             worker = self.role.servicer.worker
-            stopped = not worker.alive or getattr(worker.engine, "failed", "")
+            stopped = not worker.alive or worker.engine.failed
         else:
-            stopped = getattr(self.role.servicer, "failed", "")
+            stopped = self.role.servicer.failed
         if stopped:
             log.error("the %s engine has stopped; exiting so that Ray restarts this service", self.role_name)
             os._exit(1)

@@ -26,7 +26,7 @@ import grpc
 import onpolicy
 from onpolicy.kernels import KernelConfig
 from onpolicy.kernels.selftest import is_certified
-from onpolicy.models.loading import LoadedModel, weights_sha256
+from onpolicy.models.loading import LoadedModel
 from onpolicy.parallel.peers import PeerFailed
 from onpolicy.rollout import RolloutEngine, SamplingParams
 from onpolicy.services.api import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -49,7 +49,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.lm: LoadedModel = engine.lm
         self.engine = engine
         # A vLLM engine runs the operator set it names, not its CPU mirror's.
-        self.kernel_config: KernelConfig = getattr(engine, "kernel_config", None) or engine.lm.model.ops.config
+        self.kernel_config: KernelConfig = engine.kernel_config
         self.weights_fingerprint = weights_fingerprint or self.kernel_config.fingerprint
         """Kernel fingerprint a weight version must carry (this service's own unless configured)."""
         self.max_sequences = max_sequences_per_request
@@ -62,9 +62,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def close(self) -> None:
         self.worker.close()
-        close = getattr(self.engine, "close", None)  # a parallel engine ends its peer ranks
-        if close is not None:
-            close()
+        self.engine.close()  # a parallel engine ends its peer ranks, vLLM its engine core
 
     def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext,
                  ) -> Iterator[rollout_pb2.GenerateResponse]:
@@ -120,9 +118,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 raise InvalidArgument("weights", str(e)) from None
             except PeerFailed as e:  # a parallel engine lost a rank: the service must be restarted
                 raise Unavailable(str(e)) from None
-            # a parallel engine (onpolicy.parallel.mirrored) names the full weights, not rank 0's shard
-            sha = getattr(engine, "weights_sha256", None) or weights_sha256(engine.lm.model.state_dict())
-            engine.lm.weights_sha256 = sha
+            sha = engine.lm.weights_sha256  # of the full weights, also for a parallel engine
             with self._info_lock:  # on the engine thread, so concurrent updates report in order
                 self._weight_sha256, self._weight_version = sha, ref.version
             return sha

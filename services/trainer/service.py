@@ -66,8 +66,7 @@ def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_c
             state = load_checkpoint(restore_from)
             engine.restore(state)
         except BaseException:
-            if hasattr(engine, "close"):
-                engine.close()  # a multi-rank engine's peers and gloo world
+            engine.close()  # a multi-rank engine's peers and gloo world
             raise
         log.info("trainer resumed from %s at step %d", state.path, state.step)
     return TrainerServicer(engine, JobConfinement(job_dir=job_dir, job_id=job_id))

@@ -76,7 +76,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @property
     def failed(self) -> str:
         """Why the engine is unusable ("" while it runs)."""
-        return getattr(self.engine, "failed", "")
+        return self.engine.failed
 
 
     def ComputeLogprobs(self, request: trainer_pb2.ComputeLogprobsRequest, context: grpc.ServicerContext,

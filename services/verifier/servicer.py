@@ -65,6 +65,11 @@ class VerifierServicer(api.verifier_pb2_grpc.VerifierServiceServicer):
         self.metrics.queue_depth = lambda: self.queue.depth
         self.worker = VerificationWorker(self.verifier, self.queue, cfg.max_batch_samples)
 
+    @property
+    def failed(self) -> str:
+        """Why the service is unusable: never (the verifier has no peer ranks to lose)."""
+        return ""
+
     def close(self) -> None:
         self.worker.close()
 

@@ -39,7 +39,9 @@ def test_mirrored_rollout_equals_one_engine(ray_cluster: None, load_tiny: Callab
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
         single.update_weights(state, 1)
         par.update_weights(state, 1)
-        assert par.weights_sha256 == weights_sha256(state) != lm.weights_sha256  # the full weights, not a shard
+        # the full weights' checksum, as the unsharded engine's, not rank 0's shard's
+        assert par.lm.weights_sha256 == single.lm.weights_sha256 == weights_sha256(state)
+        assert weights_sha256(par.lm.model.state_dict()) != par.lm.weights_sha256
         _same(par.generate(PROMPTS, PARAMS), single.generate(PROMPTS, PARAMS))
 
 

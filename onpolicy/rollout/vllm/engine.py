@@ -41,7 +41,7 @@ import torch
 from onpolicy.kernels import KernelConfig, get_backend
 from onpolicy.kernels.sampling import request_key
 from onpolicy.models.hf_export import hf_directory
-from onpolicy.models.loading import LoadedModel, copy_weights_
+from onpolicy.models.loading import LoadedModel, copy_weights_, weights_sha256
 from onpolicy.models.registry import load_model
 
 from ..engine import EngineConfig
@@ -175,6 +175,10 @@ class VllmEngine:
         return self.kernel_config.fingerprint
 
     @property
+    def failed(self) -> str:
+        return ""
+
+    @property
     def capacity_tokens(self) -> int:
         """Most positions one request may use (vLLM admits requests against its own KV budget)."""
         return min(int(self.lm.config.max_position_embeddings), self.config.kv_cache_tokens)
@@ -257,6 +261,7 @@ class VllmEngine:
         if self.has_unfinished():
             raise RuntimeError("cannot update weights while requests are in flight")
         copy_weights_(self.lm.model, state)
+        self.lm.weights_sha256 = weights_sha256(self.lm.model.state_dict())
         # vLLM's workers may live in other processes: the tensors travel as a safetensors file
         from safetensors.torch import save_file
 
