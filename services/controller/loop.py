@@ -94,6 +94,21 @@ class Drawn:
 ROUND_SEED_STRIDE = 7_919_993
 
 
+def split_by_cost(costs: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` ranges covering ``costs`` whose sums stay within ``limit`` (one
+    range when ``limit`` is 0: no limit; an item above the limit alone)."""
+    ranges: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, c in enumerate(costs):
+        if limit and i > start and total + c > limit:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += c
+    if costs:
+        ranges.append((start, len(costs)))
+    return ranges
+
+
 class GRPOLoop:
     def __init__(self, job_id: str, spec: JobSpec, stubs: RoleStubs, inputs: JobInputs, workdir: Path,
                  on_event: Callable[[JobEvent], None], should_stop: Callable[[], bool]) -> None:
@@ -111,14 +126,24 @@ class GRPOLoop:
             raise Cancelled()
 
     def _generate(self, batch: list[Prompt], seed: int, temperature: float, n: int) -> list[Any]:
-        req = api.rollout_pb2.GenerateRequest(
-            prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch],
-            params=api.rollout_pb2.SamplingParams(temperature=temperature, n=n, seed=seed,
-                                                  max_new_tokens=self.spec.rollout.max_new_tokens,
-                                                  # no effect when greedy (the eval): the argmax is kept
-                                                  top_p=self.spec.rollout.top_p, top_k=self.spec.rollout.top_k,
-                                                  min_p=self.spec.rollout.min_p))
-        comps = [r.completion for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S)]
+        """``n`` completions of every prompt of ``batch``, ordered by (prompt, sample). A batch costing
+        more token positions than one Generate call may (the rollout's ``max_request_token_positions``)
+        goes as several calls of consecutive prompts: the tokens are the same, since a request's
+        samples depend only on its own seed, prompt and sample index."""
+        max_new = self.spec.rollout.max_new_tokens
+        params = api.rollout_pb2.SamplingParams(temperature=temperature, n=n, seed=seed, max_new_tokens=max_new,
+                                                # no effect when greedy (the eval): the argmax is kept
+                                                top_p=self.spec.rollout.top_p, top_k=self.spec.rollout.top_k,
+                                                min_p=self.spec.rollout.min_p)
+        limit = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(),
+                                           timeout=60).info.max_request_token_positions
+        comps = []
+        for start, end in split_by_cost([n * (len(p.ids) + max_new) for p in batch], limit):
+            req = api.rollout_pb2.GenerateRequest(
+                prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch[start:end]], params=params)
+            for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S):
+                r.completion.prompt_index += start
+                comps.append(r.completion)
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
 
     def _reward_input(self, batch: list[Prompt], c: Any) -> RewardInput:

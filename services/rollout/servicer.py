@@ -139,4 +139,5 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return common_pb2.ServiceInfo(
             service="rollout", model=self.lm.name, kernel_fingerprint=self.kernel_config.fingerprint,
             kernel_config=kernel_config_to_proto(self.kernel_config), weight_sha256=sha, weight_version=version,
-            certified=is_certified(self.kernel_config), version=onpolicy.__version__)
+            certified=is_certified(self.kernel_config), version=onpolicy.__version__,
+            max_request_token_positions=self.admission.max_inflight_tokens)

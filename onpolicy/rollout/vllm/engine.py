@@ -180,11 +180,13 @@ class VllmEngine:
 
     @property
     def capacity_tokens(self) -> int:
-        """Most positions one request may use (vLLM admits requests against its own KV budget)."""
-        return min(int(self.lm.config.max_position_embeddings), self.config.kv_cache_tokens)
+        """KV positions vLLM's cache is sized to hold (``EngineConfig.kv_cache_tokens``)."""
+        return self.config.kv_cache_tokens
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        validate_request(self.lm.config, self.capacity_tokens, prompt_ids, params)
+        # one request may use at most vLLM's max_model_len (the model's positions) and the whole cache
+        per_request = min(int(self.lm.config.max_position_embeddings), self.config.kv_cache_tokens)
+        validate_request(self.lm.config, per_request, prompt_ids, params)
 
     def _vllm_params(self, prompt_ids: Sequence[int], params: SamplingParams, sample_index: int) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
