@@ -1,7 +1,12 @@
-"""The process group (gloo over loopback) and the autograd-aware collectives of a sharded model.
+"""The process group of a parallel engine and the autograd-aware collectives of a sharded model.
 
-``init_loopback`` joins a world on ``127.0.0.1`` with a timeout on every collective, so a dead rank
-makes the others fail instead of hang. ``GlooShardGroup`` implements ``ShardGroup`` (the operators'
+``join_world`` joins a world of ranks meeting at rank 0's ``Rendezvous`` (its node's address and a
+port free there: ``127.0.0.1`` when every rank runs on this machine, the node IP Ray reports on a
+cluster), with a timeout on every collective, so a dead rank makes the others fail instead of hang.
+Rank 0's store listens on that address only (``listen``), never on every interface. The collective
+backend follows the device, in one place (``collective_backend``): gloo on CPU, HCCL on Ascend NPUs,
+NCCL on CUDA; the canonical reduction order is ours on every backend (partials gathered, then
+folded in order). ``GlooShardGroup`` implements ``ShardGroup`` (the operators'
 view of a TP or EP group) over the whole world: it gathers every rank's tensor and keeps shards
 ``0..degree-1`` (see ``layout`` for why replicas need no sub-group). Every collective is an
 ``autograd.Function`` with the backward the training path needs when everything downstream of it is
@@ -14,7 +19,12 @@ replicated (the loss is computed identically on every rank):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import socket
+import struct
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -29,16 +39,74 @@ from .layout import Layout
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def init_loopback(rank: int, world: int, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the gloo world of ``world`` ranks rendezvousing on ``127.0.0.1:port``. A process joins one
-    world at most: a rank of a parallel engine needs its own process."""
+LOOPBACK = "127.0.0.1"
+_BACKENDS = {"cpu": "gloo", "npu": "hccl", "cuda": "nccl"}
+
+
+def collective_backend(device: str) -> str:
+    """The torch.distributed backend of a world whose tensors live on ``device`` (its type)."""
+    kind = device.split(":")[0]
+    if kind not in _BACKENDS:
+        raise ValueError(f"no collective backend for device {device!r}; devices are {', '.join(_BACKENDS)}")
+    return _BACKENDS[kind]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one world meet: rank 0's store, at ``host:port``."""
+
+    host: str
+    port: int
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` only (``port`` 0: a free one; read it from ``getsockname``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface this machine reaches ``host`` through (``lo`` for a loopback address),
+    for gloo's pair connections; None when it cannot tell (gloo then picks by hostname)."""
+    if host.startswith("127."):
+        return "lo" if os.path.exists("/sys/class/net/lo") else None
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: this only picks the route and the local address
+        local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                req = struct.pack("256s", name.encode()[:15])
+                if socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, req)[20:24]) == local:  # SIOCGIFADDR
+                    return name
+    return None
+
+
+def join_world(rank: int, world: int, where: Rendezvous, timeout_s: float = DEFAULT_TIMEOUT_S,
+               device: str = "cpu", listener: socket.socket | None = None) -> None:
+    """Join the world of ``world`` ranks meeting at ``where``; rank 0 serves the store there, on
+    ``listener`` when given (a socket ``listen`` bound before the peers were told the port) or on one
+    it binds now. A process joins one world at most: a rank of a parallel engine needs its own
+    process."""
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed group; a parallel engine's rank needs "
                            "its own process")
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        sock = listener or listen(where.host, where.port)
+        store = dist.TCPStore(where.host, where.port, world, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore(where.host, where.port, world, False, timeout)
+    backend = collective_backend(device)
+    if backend == "gloo" and (ifname := interface_of(where.host)):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _world_parts(t: Tensor) -> list[Tensor]:
@@ -112,7 +180,7 @@ def shard_group(degree: int, index: int) -> ShardGroup:
     if degree == 1:
         return SINGLE
     if not dist.is_initialized():
-        raise RuntimeError(f"a parallel degree of {degree} needs an initialised process group (init_loopback)")
+        raise RuntimeError(f"a parallel degree of {degree} needs an initialised process group (join_world)")
     return GlooShardGroup(degree, index)
 
 

@@ -21,16 +21,17 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .groups import DEFAULT_TIMEOUT_S, init_loopback
+from .groups import DEFAULT_TIMEOUT_S, LOOPBACK, Rendezvous, join_world
 
 
 class WorkerError(RuntimeError):
     """A worker process failed, died or timed out."""
 
 
-def free_port() -> int:
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on ``host`` now (another process may take it before it is used)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -38,7 +39,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, threads: i
             results: Any, args: tuple[Any, ...]) -> None:
     try:
         torch.set_num_threads(threads)
-        init_loopback(rank, world, port, timeout_s)
+        join_world(rank, world, Rendezvous(LOOPBACK, port), timeout_s)
         value = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(value, buf)

@@ -3,7 +3,7 @@
 The rollout service's engine is rank 0 of ``world = lcm(tp, ep)`` ranks (``Layout``): it starts
 ``world - 1`` peers (``RolloutPeer``) with the ``PeerLauncher`` it is given (the runtime's starts
 Ray actors: ``onpolicy.services.cluster.peers.ray_peers``), each loading the full model and keeping
-its own shard (``shard_model``), all joined in one gloo world on loopback (``init_loopback``). Every
+its own shard (``shard_model``), all joined in one world at rank 0's rendezvous (``start_peers``). Every
 call that changes engine state — ``add_request``, ``abort``, ``step``, ``update_weights`` — is
 mirrored to every peer in the order rank 0 makes it, so every rank runs the same scheduler on the
 same requests and the collectives inside the model forward keep the ranks in lockstep (the SPMD run
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -25,18 +24,18 @@ from onpolicy.kernels import KernelConfig
 from onpolicy.models.loading import LoadedModel, weights_sha256
 from onpolicy.rollout import Completion, EngineConfig, RolloutEngine, SamplingParams
 
-from .groups import DEFAULT_TIMEOUT_S
+from .groups import DEFAULT_TIMEOUT_S, Rendezvous
 from .layout import Layout
-from .peers import Loader, PeerLauncher, sharded_peer_model, start_sharded
+from .peers import Loader, PeerLauncher, PeerOptions, sharded_peer_model, start_sharded
 
 
 class RolloutPeer:
     """Body of a peer rank (a Ray actor under the runtime's launcher): a ``RolloutEngine`` on this
     rank's shard, driven by rank 0."""
 
-    def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
+    def __init__(self, layout: Layout, where: Rendezvous, model: str, kernel_config: KernelConfig,
                  config: EngineConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
-        self.engine = RolloutEngine(sharded_peer_model(layout, port, model, kernel_config, threads, timeout_s, loader),
+        self.engine = RolloutEngine(sharded_peer_model(layout, where, model, kernel_config, threads, timeout_s, loader),
                                     config)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt_index: int) -> None:
@@ -65,7 +64,7 @@ class MirroredRolloutEngine(RolloutEngine):
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *, tp: int = 1, ep: int = 1,
                  launch: PeerLauncher, model_ref: str, loader: Loader | None = None,
-                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
+                 threads_per_worker: int | None = None, peer_options: PeerOptions | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, peer_name: str = "") -> None:
         self.world = math.lcm(tp, ep)
         self.timeout_s = timeout_s

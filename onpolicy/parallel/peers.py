@@ -3,8 +3,9 @@
 
 Rank 0 lives in the service's own process; ranks ``1..world-1`` run elsewhere, started by a
 ``PeerLauncher`` the caller passes in (the runtime's is ``onpolicy.services.cluster.peers.ray_peers``:
-Ray actors). Each peer loads the model with a ``Loader`` (``peer_model``) and joins the gloo world
-(``groups.init_loopback``; ``sharded_peer_model`` also keeps the rank's shard).
+Ray actors). Each peer loads the model with a ``Loader`` (``peer_model``) and joins rank 0's world at
+its ``Rendezvous`` on rank 0's node (``start_peers``, ``groups.join_world``; ``sharded_peer_model``
+also keeps the rank's shard).
 
 ``PeerGroup`` is how rank 0 drives them: ``mirror`` queues a call on every peer (in the order rank 0
 makes them, so the ranks meet in the same collectives), ``local`` runs rank 0's part, ``settle``
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.loading import LoadedModel
 
+from .groups import Rendezvous
 from .layout import Layout
 
 Loader = Callable[[str, KernelConfig], LoadedModel]
@@ -46,15 +48,15 @@ def peer_model(model: str, kernel_config: KernelConfig, threads: int, loader: Lo
     return (loader or load_uncertified)(model, kernel_config)
 
 
-def sharded_peer_model(layout: Layout, port: int, model: str, kernel_config: KernelConfig, threads: int,
+def sharded_peer_model(layout: Layout, where: Rendezvous, model: str, kernel_config: KernelConfig, threads: int,
                        timeout_s: float, loader: Loader | None) -> LoadedModel:
-    """``peer_model``, then join the gloo world of ``layout`` on ``port`` and keep this rank's shard."""
+    """``peer_model``, then join the world of ``layout`` at ``where`` and keep this rank's shard."""
     from onpolicy.parallel.parallelize import shard_model
 
-    from .groups import init_loopback, model_parallel
+    from .groups import join_world, model_parallel
 
     lm = peer_model(model, kernel_config, threads, loader)
-    init_loopback(layout.rank, layout.world, port, timeout_s)
+    join_world(layout.rank, layout.world, where, timeout_s, lm.model.device.type)
     return shard_model(lm, model_parallel(layout))
 
 
@@ -103,46 +105,77 @@ class PeerGroup(Protocol):
         """End every peer and leave this process's gloo world when ``owns_group``."""
 
 
+PeerOptions = dict[str, Any] | Callable[[int], dict[str, Any]]
+"""The runtime's options of a peer rank (e.g. ``num_cpus``, its placement): one for every rank, or
+a function of the rank."""
+
+
 class PeerLauncher(Protocol):
     """Starts ranks ``1..world-1`` of a ``kind`` engine, each ``worker(*args(rank))``, with the
-    runtime's ``options`` (e.g. ``num_cpus``), named after ``name`` when given; answers within
-    ``timeout_s`` or fails."""
+    runtime's ``options``, named after ``name`` when given; answers within ``timeout_s`` or fails.
+    ``host`` is the address rank 0 (this process) is reached at by its peers: its node's."""
+
+    host: str
 
     def __call__(self, kind: str, worker: type, world: int, args: Callable[[int], Sequence[Any]], *,
-                 options: dict[str, Any], name: str, timeout_s: float) -> PeerGroup: ...
+                 options: PeerOptions, name: str, timeout_s: float) -> PeerGroup: ...
+
+
+def start_peers(kind: str, worker: type, world: int, args: Callable[[Rendezvous], Callable[[int], Sequence[Any]]], *,
+                launch: PeerLauncher, options: PeerOptions, name: str, timeout_s: float, device: str,
+                ) -> PeerGroup:
+    """Rank 0's side of a world of ``world`` ranks: a rendezvous listening on ``launch.host`` (a port
+    free there), the peers ``worker(*args(rendezvous)(rank))`` for ranks ``1..world-1`` started by
+    ``launch``, and this process joined to their world (when it has more than one rank). On failure
+    the peers are ended."""
+    from .groups import join_world, listen
+
+    listener = listen(launch.host)
+    where = Rendezvous(launch.host, listener.getsockname()[1])
+    try:
+        peers = launch(kind, worker, world, args(where), options=options, name=name, timeout_s=timeout_s)
+    except BaseException:
+        listener.close()
+        raise
+    try:
+        if world > 1:
+            join_world(0, world, where, timeout_s, device, listener)
+            peers.owns_group = True
+        else:
+            listener.close()
+        return peers
+    except BaseException:
+        listener.close()
+        peers.close()
+        raise
 
 
 def start_sharded(kind: str, worker: type, lm: LoadedModel, tp: int, ep: int, *, launch: PeerLauncher,
                   model_ref: str, config: Any, loader: Loader | None, threads_per_worker: int | None,
-                  peer_options: dict[str, Any] | None, timeout_s: float,
+                  peer_options: PeerOptions | None, timeout_s: float,
                   peer_name: str) -> tuple[PeerGroup, LoadedModel]:
     """Rank 0's side of a ``tp`` x ``ep`` world over the full model ``lm``: the peers
-    ``worker(layout, port, model_ref, kernel_config, config, threads, timeout_s, loader)`` for ranks
-    ``1..world-1`` (``world = lcm(tp, ep)``) started by ``launch``, this process joined to their gloo
-    world, and rank 0's shard of ``lm``. On failure the peers are ended."""
+    ``worker(layout, rendezvous, model_ref, kernel_config, config, threads, timeout_s, loader)`` for
+    ranks ``1..world-1`` (``world = lcm(tp, ep)``; ``start_peers``), and rank 0's shard of ``lm``."""
     import math
 
     import torch
 
     from onpolicy.parallel.parallelize import shard_model
 
-    from .groups import init_loopback, model_parallel
-    from .launch import free_port
+    from .groups import model_parallel
     from .layout import check_degrees
 
     kernel_config = lm.model.ops.config
     check_degrees(lm.config, tp, ep, kernel_config.reduce_chunks)
     world = math.lcm(tp, ep)
     threads = threads_per_worker or torch.get_num_threads()
-    port = free_port()
-    peers = launch(kind, worker, world,
-                   lambda rank: (Layout(tp, ep, rank, world), port, model_ref, kernel_config, config, threads,
-                                 timeout_s, loader),
-                   options=peer_options or {"num_cpus": threads}, name=peer_name, timeout_s=timeout_s)
+    peers = start_peers(kind, worker, world,
+                        lambda where: lambda rank: (Layout(tp, ep, rank, world), where, model_ref, kernel_config,
+                                                    config, threads, timeout_s, loader),
+                        launch=launch, options=peer_options or {"num_cpus": threads}, name=peer_name,
+                        timeout_s=timeout_s, device=lm.model.device.type)
     try:
-        if world > 1:
-            init_loopback(0, world, port, timeout_s)
-            peers.owns_group = True
         return peers, shard_model(lm, model_parallel(Layout(tp, ep, 0, world)))
     except BaseException:
         peers.close()

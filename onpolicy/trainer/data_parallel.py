@@ -30,9 +30,8 @@ from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.loading import LoadedModel
-from onpolicy.parallel.groups import init_loopback
-from onpolicy.parallel.launch import free_port
-from onpolicy.parallel.peers import Loader, PeerLauncher, peer_model
+from onpolicy.parallel.groups import Rendezvous, join_world
+from onpolicy.parallel.peers import Loader, PeerLauncher, PeerOptions, peer_model, start_peers
 
 from .config import TrainerConfig
 from .engine import TrainerEngine
@@ -41,11 +40,14 @@ from .reduction import Grads, check_degree
 
 
 class GlooExchange:
-    """``GradientExchange`` over the process's default ``torch.distributed`` group: gloo on loopback
-    (``onpolicy.parallel.groups.init_loopback``, a timeout on every collective)."""
+    """``GradientExchange`` over the process's default ``torch.distributed`` group (joined by rank 0
+    in ``start_peers``, by a peer here: ``onpolicy.parallel.groups.join_world``, a timeout on every
+    collective)."""
 
-    def __init__(self, rank: int, size: int, port: int, timeout_s: float = 300.0) -> None:
-        init_loopback(rank, size, port, timeout_s)
+    def __init__(self, rank: int, size: int, where: Rendezvous | None = None, timeout_s: float = 300.0,
+                 device: str = "cpu") -> None:
+        if where is not None:
+            join_world(rank, size, where, timeout_s, device)
         self.rank, self.size = rank, size
 
     def all_gather_grads(self, grads: Grads | None, like: Sequence[Tensor]) -> list[Grads | None]:
@@ -77,10 +79,10 @@ class GlooExchange:
 class DataParallelWorker(RankWorker):
     """Body of a peer rank: a ``TrainerEngine`` on ``model`` joined to its peers by gloo."""
 
-    def __init__(self, rank: int, size: int, port: int, model: str, kernel_config: KernelConfig,
+    def __init__(self, rank: int, size: int, where: Rendezvous, model: str, kernel_config: KernelConfig,
                  trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
         lm = peer_model(model, kernel_config, threads, loader)
-        self.exchange = GlooExchange(rank, size, port, timeout_s)
+        self.exchange = GlooExchange(rank, size, where, timeout_s, lm.model.device.type)
         self.engine = TrainerEngine(lm, trainer_config, self.exchange)
 
 
@@ -97,17 +99,17 @@ class DataParallelEngine(RankZeroEngine):
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, degree: int,
                  launch: PeerLauncher, model_ref: str,
                  loader: Loader | None = None, threads_per_worker: int | None = None,
-                 peer_options: dict[str, Any] | None = None, timeout_s: float = 300.0, peer_name: str = "") -> None:
+                 peer_options: PeerOptions | None = None, timeout_s: float = 300.0, peer_name: str = "") -> None:
         check_degree(degree)
         threads = threads_per_worker or torch.get_num_threads()
-        port = free_port()
-        self._start_peers(
-            launch, DataParallelWorker, degree,
-            lambda rank: (rank, degree, port, model_ref, lm.model.ops.config, config, threads, timeout_s, loader),
-            peer_options or {"num_cpus": threads}, timeout_s, peer_name)
+        self.peers = start_peers(
+            "trainer", DataParallelWorker, degree,
+            lambda where: lambda rank: (rank, degree, where, model_ref, lm.model.ops.config, config, threads,
+                                        timeout_s, loader),
+            launch=launch, options=peer_options or {"num_cpus": threads}, name=peer_name, timeout_s=timeout_s,
+            device=lm.model.device.type)
         try:
-            exchange = GlooExchange(0, degree, port, timeout_s) if degree > 1 else None
-            self.peers.owns_group = exchange is not None
+            exchange = GlooExchange(0, degree) if degree > 1 else None  # rank 0 joined in start_peers
             super().__init__(lm, config, exchange)
             self._check_peers(self._ask("replica_sha256"), "at start")
         except BaseException:

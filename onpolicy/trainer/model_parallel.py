@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from torch import Tensor
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.models.loading import LoadedModel
-from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S
+from onpolicy.parallel.groups import DEFAULT_TIMEOUT_S, Rendezvous
 from onpolicy.parallel.layout import Layout
-from onpolicy.parallel.peers import Loader, PeerLauncher, sharded_peer_model, start_sharded
+from onpolicy.parallel.peers import Loader, PeerLauncher, PeerOptions, sharded_peer_model, start_sharded
 
 from .config import TrainerConfig
 from .engine import LocalState, TrainerEngine
@@ -40,9 +39,9 @@ from .ranks import RankWorker, RankZeroEngine
 class ModelParallelWorker(RankWorker):
     """Body of a peer rank: a ``TrainerEngine`` on this rank's shard, driven by rank 0."""
 
-    def __init__(self, layout: Layout, port: int, model: str, kernel_config: KernelConfig,
+    def __init__(self, layout: Layout, where: Rendezvous, model: str, kernel_config: KernelConfig,
                  trainer_config: TrainerConfig | None, threads: int, timeout_s: float, loader: Loader | None) -> None:
-        self.engine = TrainerEngine(sharded_peer_model(layout, port, model, kernel_config, threads, timeout_s, loader),
+        self.engine = TrainerEngine(sharded_peer_model(layout, where, model, kernel_config, threads, timeout_s, loader),
                                     trainer_config)
 
 
@@ -56,7 +55,7 @@ class ModelParallelEngine(RankZeroEngine):
 
     def __init__(self, lm: LoadedModel, config: TrainerConfig | None = None, *, tp: int = 1, ep: int = 1,
                  launch: PeerLauncher, model_ref: str, loader: Loader | None = None,
-                 threads_per_worker: int | None = None, peer_options: dict[str, Any] | None = None,
+                 threads_per_worker: int | None = None, peer_options: PeerOptions | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, peer_name: str = "") -> None:
         self.world = math.lcm(tp, ep)
         self.peers, shard = start_sharded(

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from onpolicy.parallel.peers import PeerFailed, PeerGroup, PeerLauncher
+from onpolicy.parallel.peers import PeerFailed, PeerGroup
 
 from .checkpoint import CheckpointError, CheckpointState
 from .config import LossConfig, OptimizerConfig, StepStats, TrainSample
@@ -63,18 +63,12 @@ class RankWorker:
 
 
 class RankZeroEngine(TrainerEngine):
-    """Rank 0 of ``world`` trainer ranks. A subclass starts its peers (``_start_peers``, or
-    ``onpolicy.parallel.peers.start_sharded`` for a sharded world) before joining the process group
-    (the peers join it concurrently), then calls ``TrainerEngine.__init__``, then ``_check_peers``."""
+    """Rank 0 of ``world`` trainer ranks. A subclass starts its peers and joins their world
+    (``onpolicy.parallel.peers.start_peers``, or ``start_sharded`` for a sharded world), then calls
+    ``TrainerEngine.__init__``, then ``_check_peers``."""
 
     kind = "trainer"
     peers: PeerGroup
-
-    def _start_peers(self, launch: PeerLauncher, worker: type[RankWorker], world: int,
-                     args: Callable[[int], Sequence[Any]], options: dict[str, Any], timeout_s: float,
-                     name: str) -> None:
-        """Start ranks ``1..world-1`` with ``launch`` (named after ``name`` when given)."""
-        self.peers = launch("trainer", worker, world, args, options=options, name=name, timeout_s=timeout_s)
 
     @property
     def failed(self) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from onpolicy.parallel.peers import PeerFailed, peer_failure
+from onpolicy.parallel.peers import PeerFailed, PeerOptions, peer_failure
 
 from .local_ray import ray_env
 
@@ -40,14 +40,16 @@ def _in_ray_env(worker: type) -> type:
     return Peer
 
 
-def start_peers(worker: type, world: int, args: Callable[[int], Sequence[Any]], options: dict[str, Any],
+def start_peers(worker: type, world: int, args: Callable[[int], Sequence[Any]], options: PeerOptions,
                 name: str = "") -> list[Any]:
-    """Ray actors ``worker(*args(rank))`` for ranks ``1..world-1`` with ``options`` (e.g. ``num_cpus``),
-    named ``{name}-{random}-rank{r}`` when ``name`` is given (a restarted service's new peers get new
-    names while the old ones may still be ending)."""
+    """Ray actors ``worker(*args(rank))`` for ranks ``1..world-1`` with ``options`` (e.g. ``num_cpus``,
+    a placement group bundle; the same for every rank, or a function of the rank), named
+    ``{name}-{random}-rank{r}`` when ``name`` is given (a restarted service's new peers get new names
+    while the old ones may still be ending)."""
     remote = ray.remote(_in_ray_env(worker))
     tag = f"{name}-{secrets.token_hex(3)}" if name else ""
-    return [remote.options(max_restarts=0, **({"name": f"{tag}-rank{rank}"} if tag else {}), **options)
+    return [remote.options(max_restarts=0, **({"name": f"{tag}-rank{rank}"} if tag else {}),
+                           **(options(rank) if callable(options) else options))
             .remote(*args(rank)) for rank in range(1, world)]
 
 
@@ -140,7 +142,17 @@ class RayPeers:
         self.owns_group = False
 
 
-def ray_peers(kind: str, worker: type, world: int, args: Callable[[int], Sequence[Any]], *,
-              options: dict[str, Any], name: str, timeout_s: float) -> RayPeers:
-    """The runtime's ``PeerLauncher``: ``start_peers`` on the current Ray cluster, driven as ``RayPeers``."""
-    return RayPeers(kind, start_peers(worker, world, args, options, name), timeout_s)
+class RayPeerLauncher:
+    """The runtime's ``PeerLauncher``: ``start_peers`` on the current Ray cluster, driven as
+    ``RayPeers``; ``host`` is this process's node IP (as Ray reports it), where the peers meet it."""
+
+    @property
+    def host(self) -> str:
+        return str(ray.util.get_node_ip_address())
+
+    def __call__(self, kind: str, worker: type, world: int, args: Callable[[int], Sequence[Any]], *,
+                 options: PeerOptions, name: str, timeout_s: float) -> RayPeers:
+        return RayPeers(kind, start_peers(worker, world, args, options, name), timeout_s)
+
+
+ray_peers = RayPeerLauncher()
