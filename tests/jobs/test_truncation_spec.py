@@ -46,6 +46,9 @@ class _Rollout:
     def __init__(self) -> None:
         self.requests: list[Any] = []
 
+    def GetInfo(self, req: Any, timeout: float) -> Any:
+        return SimpleNamespace(info=api.common_pb2.ServiceInfo(max_request_token_positions=1 << 20))
+
     def Generate(self, req: Any, timeout: float) -> list[Any]:
         self.requests.append(req)
         c = api.common_pb2.Completion(prompt_index=0, sample_index=0, prompt_ids=[1], token_ids=[2, 3],
