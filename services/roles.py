@@ -21,6 +21,7 @@ from onpolicy.rollout.engine import EngineConfig
 from onpolicy.rollout.speculative import SpeculativeConfig
 from onpolicy.verification.config import VerifierConfig
 
+from .cluster.placement import PeerPlacement
 from .common.server import GrpcServer, ServerConfig
 
 
@@ -54,6 +55,8 @@ class RolloutOptions(RoleOptions):
     ep: int = 1
     peer_npus: int = 0
     """NPUs each tensor/expert-parallel peer rank requests."""
+    peer_placement: PeerPlacement | None = None
+    """Where the peer ranks go (the job's placement group; None: wherever Ray has room)."""
 
     @property
     def weights_fingerprint(self) -> str:
@@ -68,6 +71,8 @@ class TrainerOptions(RoleOptions):
     ep: int = 1
     peer_npus: int = 0
     """NPUs each peer rank (data, tensor or expert parallel) requests."""
+    peer_placement: PeerPlacement | None = None
+    """Where the peer ranks go (the job's placement group; None: wherever Ray has room)."""
     job_dir: str = ""
     """The job's own directory, the only place its RPCs may name ("" = not confined;
     ``services.trainer.confine``)."""
@@ -84,7 +89,8 @@ def _build_rollout(opts: RolloutOptions) -> Any:
 
     return build_rollout_service(opts.model, opts.kernels, opts.engine_config,
                                  weights_fingerprint=opts.weights_fingerprint, engine=opts.engine, tp=opts.tp,
-                                 ep=opts.ep, peer_npus=opts.peer_npus, peer_name=opts.peer_name)
+                                 ep=opts.ep, peer_npus=opts.peer_npus, peer_name=opts.peer_name,
+                                 peer_placement=opts.peer_placement)
 
 
 def _build_trainer(opts: TrainerOptions) -> Any:
@@ -92,7 +98,7 @@ def _build_trainer(opts: TrainerOptions) -> Any:
 
     return build_trainer_service(opts.model, opts.kernels, data_parallel=opts.dp, tp=opts.tp, ep=opts.ep,
                                  peer_npus=opts.peer_npus, peer_name=opts.peer_name, job_dir=opts.job_dir,
-                                 job_id=opts.job)
+                                 job_id=opts.job, peer_placement=opts.peer_placement)
 
 
 def _build_verifier(opts: VerifierOptions) -> Any:
@@ -162,10 +168,11 @@ def role_of(opts: RoleOptions) -> Role:
 
 
 def options_for(spec: JobSpec, role: str, job_id: str = "", job_dir: str = "", mismatch_dir: str = "",
-                ) -> RoleOptions:
+                peers: PeerPlacement | None = None) -> RoleOptions:
     """The options of ``spec``'s ``role`` service: the job's model and operators (the rollout's own
-    kernels where ``rollout.kernels: fast``), its engine and parallel degrees, and for the trainer
-    ``job_dir``, for the verifier ``mismatch_dir`` and the rollout's kernel fingerprint."""
+    kernels where ``rollout.kernels: fast``), its engine, parallel degrees and the placement of its
+    ``peers``, and for the trainer ``job_dir``, for the verifier ``mismatch_dir`` and the rollout's
+    kernel fingerprint."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
     trainer_kernels = KernelConfig(backend=spec.kernels.backend, compute_dtype=spec.kernels.dtype,
@@ -174,7 +181,7 @@ def options_for(spec: JobSpec, role: str, job_id: str = "", job_dir: str = "", m
     if role == "trainer":
         p = spec.parallel.trainer
         return TrainerOptions(**common, dp=p.dp, tp=p.tp, ep=p.ep, peer_npus=spec.resources_for("trainer").npus,
-                              job_dir=job_dir)
+                              peer_placement=peers, job_dir=job_dir)
     rollout_kernels = trainer_kernels.with_(backend="fast") if spec.rollout.kernels == "fast" else trainer_kernels
     if role == "verifier":  # it records the rollout's kernels with the samples it stores
         return VerifierOptions(**common, verifier=VerifierConfig(
@@ -184,7 +191,7 @@ def options_for(spec: JobSpec, role: str, job_id: str = "", job_dir: str = "", m
                           speculative=SpeculativeConfig(method=r.speculative, num_tokens=r.num_speculative_tokens))
     return RolloutOptions(**{**common, "kernels": rollout_kernels}, engine=r.engine, engine_config=engine,
                           weights_kernels=trainer_kernels, tp=p.tp, ep=p.ep,
-                          peer_npus=spec.resources_for("rollout").npus)
+                          peer_npus=spec.resources_for("rollout").npus, peer_placement=peers)
 
 
 @dataclass

@@ -23,8 +23,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from onpolicy.services.cluster.local_ray import ray_env
+
 # Helpers shared by tests of several folders (``from doctor_support import …``) live in tests/support.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+# Ray reads some of its environment when first imported (e.g. which address its nodes advertise), and
+# any test module may import it first: set onpolicy's Ray environment before any of them.
+ray_env()
 
 if not os.environ.get("ONPOLICY_HOME"):
     os.environ["ONPOLICY_HOME"] = str(Path.home() / ".cache" / "onpolicy")

@@ -34,8 +34,9 @@ def add_controller_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """The job controller's options (``onpolicy up``, ``onpolicy serve jobs``)."""
     p.add_argument("--ray-address", help=f"{prefix}attach to this Ray cluster instead of starting one")
     p.add_argument("--service-host", default="127.0.0.1",
-                   help=f"{prefix}address each job's role services bind (default 127.0.0.1; 0.0.0.0 on a multi-node "
-                        "cluster, where they advertise their node's IP)")
+                   help=f"{prefix}address each job's role services bind (default 127.0.0.1; on a multi-node cluster "
+                        "`node`: each binds its node's IP, as Ray reports it; 0.0.0.0: every interface, advertising "
+                        "the node's IP)")
     p.add_argument("--state-dir", help=f"{prefix}controller state (default $ONPOLICY_HOME/controller)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help=f"{prefix}times Ray restarts a job's crashed role service; the job then resumes from its "

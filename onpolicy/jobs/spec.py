@@ -272,6 +272,10 @@ class ParallelSpec(_Strict):
 
     rollout: RoleParallelSpec = RoleParallelSpec()
     trainer: TrainerParallelSpec = TrainerParallelSpec()
+    placement: Literal["pack", "spread", "strict_pack"] = "pack"
+    """How the job's ranks (each role's service and its peer ranks) are placed on the cluster's nodes,
+    as one Ray placement group (all of them or none): ``pack`` on as few nodes as they fit on,
+    ``spread`` on as many as possible, ``strict_pack`` on one node or not at all."""
 
 
 class VerifierSpec(_Strict):
@@ -287,6 +291,20 @@ class EvalSpec(_Strict):
     reward: str = ""
     """The reward whose mean over the eval problems is reported as ``eval_accuracy`` (default: the
     first of ``rewards``)."""
+
+
+class DeadlineSpec(_Strict):
+    """How long the job's calls to its role services may take before the job fails with the call named
+    (a service that hangs never holds a job for longer)."""
+
+    call_s: float = Field(300.0, gt=0, le=7 * 86400)
+    """What every Generate, TrainStep and SubmitSamples call may take besides its tokens: queueing,
+    a first compile."""
+    per_position_s: float = Field(0.05, ge=0, le=3600)
+    """Added per token position the call processes (prompt plus completion, each sample; a TrainStep's
+    positions count once per epoch, three times: forward and backward, plus a recompute)."""
+    weights_s: float = Field(1800.0, gt=0, le=7 * 86400)
+    """Each weight export, weight load, checkpoint save or restore."""
 
 
 class ResourceSpec(_Strict):
@@ -318,6 +336,7 @@ class JobSpec(_Strict):
     """The RL objective (``docs/algorithms.md``); it sets defaults of the ``grpo`` block
     (``ALGORITHM_DEFAULTS``), and the values written there win."""
     correction: CorrectionSpec = Field(CorrectionSpec(), validate_default=True)
+    deadlines: DeadlineSpec = DeadlineSpec()
 
     @model_validator(mode="before")
     @classmethod

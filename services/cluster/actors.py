@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from onpolicy.jobs.spec import JobSpec
 
 from ..controller.loop import RoleStubs
 from .local_ray import ray_env
-from .placement import actor_options
+from .placement import PLACEMENT_TIMEOUT_S, JobPlacement, actor_options
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_RESTARTS = 3
@@ -80,6 +81,7 @@ class ServiceActor:
 
         self.role_name = role = options.role
         self.startup_error = ""
+        host = bind_host(host)
         try:
             from ..common.server import ServerConfig
 
@@ -120,6 +122,19 @@ class ServiceActor:
     def stop(self) -> None:
         if not self.startup_error:
             self.role.stop(grace=1.0)
+
+
+NODE_HOST = "node"
+"""``--service-host node``: each role service binds exactly the IP Ray reports for its node."""
+
+
+def bind_host(host: str) -> str:
+    """The address a role service binds for the launcher's ``host``: its node's IP for ``node``."""
+    if host == NODE_HOST:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    return host
 
 
 def advertised_host(bind: str) -> str:
@@ -164,6 +179,55 @@ def resolve_address(actor: Any, timeout_s: float = RESOLVE_TIMEOUT_S) -> str:
             time.sleep(0.5)
 
 
+#: How often a running job's nodes are checked (``NodeWatch``).
+NODE_WATCH_S = 1.0
+
+
+class NodeWatch:
+    """Checks every ``NODE_WATCH_S`` seconds that the nodes holding a job's ranks are alive, and tells
+    ``notify`` once about each one that dies: ``lost node 127.0.0.3 (trainer, rollout rank 1)``."""
+
+    def __init__(self, placement: JobPlacement, notify: Callable[[str], None]) -> None:
+        self.placement, self.notify = placement, notify
+        self._stop = threading.Event()
+        self._reported: set[str] = set()
+        self._last: dict[str, list[str]] = {}
+        self._thread = threading.Thread(target=self._run, name="onpolicy-node-watch", daemon=True)
+
+    def start(self) -> None:
+        """Note where the ranks are now (a node lost before the first check is still known), then watch."""
+        self._last = self.placement.nodes()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def check(self) -> list[str]:
+        """The messages for nodes of the job found dead since the last check."""
+        import ray
+
+        now = self.placement.nodes()
+        ranks = {**now, **{n: held for n, held in self._last.items() if n not in now}}  # placed elsewhere since
+        self._last = now
+        dead = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive", True)}
+        out = []
+        for node, held in ranks.items():
+            if node in dead and node not in self._reported:
+                self._reported.add(node)
+                out.append(f"lost node {dead[node]} ({', '.join(held)}); its ranks are placed again")
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(NODE_WATCH_S):
+            try:
+                for message in self.check():
+                    self.notify(message)
+            except Exception:  # the cluster's state API is unreachable for a moment: check again
+                log.debug("node watch check failed", exc_info=True)
+
+
 class RayLauncher:
     """Starts a job's three role services as Ray actors (resources ``{"NPU": n}`` on Ascend, CPUs
     otherwise, restarted by Ray up to ``max_restarts`` times), connects gRPC stubs to them (and
@@ -172,13 +236,14 @@ class RayLauncher:
     ``metrics``: a ``MetricsHub`` the services' ``/metrics`` endpoints are registered with.
     ``state_dir``: the controller's state directory (its jobs' work dirs are ``state_dir/jobs/<id>``),
     under which the verifier keeps its mismatch store unless the spec names a checkpoint dir.
+    ``placement_timeout_s``: how long a job waits for the cluster to reserve all of its ranks.
     ``token``: the controller's own token, never handed to a role: each launch makes a fresh token
     for that job's roles (``services.common.auth.new_role_token``), so one job's token cannot drive
     another job's services."""
 
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, *, metrics: Any = None,
                  state_dir: str | Path | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS,
-                 tls: RoleTLS | None = None) -> None:
+                 tls: RoleTLS | None = None, placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         if max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
         self.host, self.token, self.tls = host, token, tls
@@ -186,6 +251,7 @@ class RayLauncher:
         self.metrics = metrics
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.max_restarts = max_restarts
+        self.placement_timeout_s = placement_timeout_s
 
     def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any], token: str) -> RoleStubs:
         """Stubs to the actors' current addresses (closing the channels of a previous connection),
@@ -216,14 +282,19 @@ class RayLauncher:
         return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token)
 
     @contextlib.contextmanager
-    def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None) -> Iterator[RoleStubs]:
+    def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None,
+               notify: Callable[[str], None] | None = None) -> Iterator[RoleStubs]:
         """The job's role services, authenticated with a token of the job's own (never the
         controller's), the trainer confined to ``job_dir`` (default: the checkpoint dir, or the
-        job's work dir under ``state_dir``; neither known: not confined)."""
+        job's work dir under ``state_dir``; neither known: not confined). Every rank of every role
+        is reserved first, in one placement group (``placement.reserve``: all or none); while the
+        job runs, a node that dies with some of its ranks is reported to ``notify`` within about
+        ``NODE_WATCH_S`` seconds, naming the node and the ranks it held."""
         import ray
 
         from ..common.auth import new_role_token
         from ..roles import ROLES, options_for
+        from .placement import reserve
 
         remote = _remote_class()
         token = new_role_token()  # in memory only: the actors' arguments and this job's channels
@@ -235,17 +306,24 @@ class RayLauncher:
         actors = {}
         channels: list[Any] = []
         mismatch_dir = str(Path(job_dir) / "mismatches") if job_dir else ""
+        placement = reserve(spec, job_id, self.placement_timeout_s)
+        watch = NodeWatch(placement, notify) if notify is not None else None
         try:
             for role in ROLES:
                 res = spec.resources_for(role)
                 actors[role] = remote.options(
                     name=f"onpolicy-{job_id}-{role}", max_restarts=self.max_restarts,
-                    **actor_options(res.npus, res.cpus),
-                ).remote(options_for(spec, role, job_id, job_dir, mismatch_dir), self.host, token,
-                         max(1, int(res.cpus)), self.metrics is not None,
+                    **actor_options(res.npus, res.cpus), **placement.for_service(role),
+                ).remote(options_for(spec, role, job_id, job_dir, mismatch_dir, placement.peers(role)), self.host,
+                         token, max(1, int(res.cpus)), self.metrics is not None,
                          asdict(self.tls) if self.tls is not None else None)
-            yield self._connect(job_id, actors, channels, token)
+            stubs = self._connect(job_id, actors, channels, token)
+            if watch is not None:
+                watch.start()
+            yield stubs
         finally:
+            if watch is not None:
+                watch.stop()
             if self.metrics is not None:
                 with contextlib.suppress(Exception):
                     self.metrics.retire(job_id)  # final snapshot, while the services still answer
@@ -254,3 +332,5 @@ class RayLauncher:
             for a in actors.values():
                 with contextlib.suppress(Exception):
                     ray.kill(a)
+            with contextlib.suppress(Exception):
+                placement.remove()

@@ -1,9 +1,11 @@
-"""Client side of the plumbing: ``connect`` (TLS, mutual TLS, bearer token, message limits) and
-``field_violations`` to read the ``google.rpc.BadRequest`` details of an INVALID_ARGUMENT error."""
+"""Client side of the plumbing: ``connect`` (TLS, mutual TLS, bearer token, message limits, keepalive,
+retries of idempotent calls) and ``field_violations`` to read the ``google.rpc.BadRequest`` details
+of an INVALID_ARGUMENT error."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,31 @@ from .auth import bearer
 from .server import DEFAULT_MAX_MESSAGE_BYTES, keepalive_options, message_options
 
 PathLike = str | os.PathLike[str]
+
+
+#: Calls that are safe to send again (reads, and writes that set a state rather than change it: the same
+#: weight version loaded or exported twice is the same state). ``connect`` has gRPC retry them when the
+#: service answers UNAVAILABLE (restarting, or a connection reset), with exponential backoff. The others
+#: (TrainStep, SubmitSamples, Generate, SubmitJob, SaveCheckpoint, WatchJob) are never re-sent by the
+#: channel: their callers decide (the GRPO loop resumes from the last checkpoint).
+IDEMPOTENT_METHODS: dict[str, tuple[str, ...]] = {
+    "onpolicy.v1.RolloutService": ("GetInfo", "UpdateWeights"),
+    "onpolicy.v1.TrainerService": ("GetInfo", "ComputeLogprobs", "ExportWeights", "RestoreCheckpoint"),
+    "onpolicy.v1.VerifierService": ("GetInfo", "GetReport", "UpdateWeights"),
+    "onpolicy.v1.JobService": ("GetJob", "ListJobs", "CancelJob"),
+    "grpc.health.v1.Health": ("Check",),
+}
+RETRY_ATTEMPTS = 5
+"""Attempts of an idempotent call in all (gRPC caps this at 5)."""
+
+
+def retry_options() -> list[tuple[str, Any]]:
+    """Channel options: retries on UNAVAILABLE for ``IDEMPOTENT_METHODS`` (0.2 s, 0.4 s, … up to 3 s)."""
+    policy = {"maxAttempts": RETRY_ATTEMPTS, "initialBackoff": "0.2s", "maxBackoff": "3s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    names = [{"service": svc, "method": m} for svc, methods in IDEMPOTENT_METHODS.items() for m in methods]
+    return [("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}]}))]
 
 
 class _Details(NamedTuple):
@@ -73,7 +100,7 @@ def connect(address: str, token: str | None = None, tls_ca: PathLike | None = No
             client_cert: PathLike | None = None, client_key: PathLike | None = None, *, tls: bool = False,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, allow_insecure_token: bool = False,
             options: list[tuple[str, Any]] | None = None) -> grpc.Channel:
-    """A channel to ``address`` (``host:port``).
+    """A channel to ``address`` (``host:port``), with keepalive and retries of the idempotent calls.
 
     TLS is used when ``tls`` is set or any of ``tls_ca`` (PEM file of the CA that signed the server,
     default: system roots), ``client_cert``/``client_key`` (PEM files, mutual TLS) is given; the token
@@ -83,7 +110,7 @@ def connect(address: str, token: str | None = None, tls_ca: PathLike | None = No
     if (client_cert is None) != (client_key is None):
         raise ValueError("client_cert and client_key go together")
     # later entries win: the caller's options over the defaults
-    merged = [*message_options(max_message_bytes), *keepalive_options(), *(options or [])]
+    merged = [*message_options(max_message_bytes), *keepalive_options(), *retry_options(), *(options or [])]
     opts = list(dict(merged).items())
     if tls or tls_ca is not None or client_cert is not None:
         creds = grpc.ssl_channel_credentials(

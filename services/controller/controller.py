@@ -41,9 +41,10 @@ class JobNotFound(KeyError):
 
 class ServiceLauncher(Protocol):
     def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None,
-               ) -> AbstractContextManager[RoleStubs]:
+               notify: Callable[[str], None] | None = None) -> AbstractContextManager[RoleStubs]:
         """Start (or attach to) the rollout, trainer and verifier services of a job, the trainer
-        confined to ``job_dir`` (``services.controller.paths.job_root``)."""
+        confined to ``job_dir`` (``services.controller.paths.job_root``); ``notify`` takes what the
+        launcher has to tell about the job's services while it runs (e.g. a lost node)."""
         ...
 
 
@@ -355,7 +356,9 @@ class JobController:
             for note in notes:
                 self._emit(job, JobEvent(job_id=rec.job_id, step=rec.step, state=JobState.PENDING, message=note))
             workdir = self.store.job_dir(rec.job_id)
-            with self.launcher.launch(rec.job_id, spec, job_root(spec, rec.job_id, workdir)) as stubs:
+            notify = lambda message: self._emit(job, JobEvent(  # noqa: E731
+                job_id=rec.job_id, step=job.rec.step, state=JobState.RUNNING, message=message))
+            with self.launcher.launch(rec.job_id, spec, job_root(spec, rec.job_id, workdir), notify) as stubs:
                 if job.cancel.is_set():
                     raise Cancelled()
                 loop = GRPOLoop(rec.job_id, spec, stubs, inputs, Path(workdir), lambda ev: self._emit(job, ev),

@@ -18,15 +18,20 @@ UNAVAILABLE (a service died; Ray restarts it on a new port) makes the loop re-re
 (``RoleStubs.reconnect``), restore the checkpoint again and redo the step in progress: with
 ``checkpoint.interval`` 1 no step is lost or repeated, and the redone step is bitwise the one an
 uninterrupted run takes (same weights, optimizer, RNG, data cursor and sampling seed).
+
+Deadlines: every call has the one the job's ``deadlines`` give it, sized to the token positions it
+processes (Generate, TrainStep, SubmitSamples) or to a weight transfer; a call past it fails the job
+naming the call and its deadline (``CallDeadlineExceeded``), so a service that hangs never holds it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +49,8 @@ from onpolicy.trainer.grpo import group_advantages, informative_groups, overlong
 from .paths import job_root
 from .records import JobEvent, JobState, StepTimes
 
-CALL_TIMEOUT_S = 6 * 3600
+INFO_TIMEOUT_S = 60
+"""GetInfo: answered from memory."""
 #: Status codes that mean "a service went away" (the loop reconnects and resumes on these).
 LOST_SERVICE = (grpc.StatusCode.UNAVAILABLE,)
 #: Reconnects in a row without a completed step before the job fails.
@@ -53,6 +59,23 @@ MAX_RESUMES = 3
 
 class Cancelled(Exception):
     """The job was cancelled between two phases of a step."""
+
+
+class CallDeadlineExceeded(RuntimeError):
+    """A call to a role service ran past the deadline the job's ``deadlines`` give it."""
+
+
+@contextlib.contextmanager
+def deadline_of(call: str, timeout: float, sized: str) -> Iterator[None]:
+    """Turn a DEADLINE_EXCEEDED of ``call`` into ``CallDeadlineExceeded`` naming the call, its deadline
+    and what the deadline was made of (``sized``)."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        if e.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        raise CallDeadlineExceeded(f"{call} ran past its deadline of {timeout:.0f} s ({sized}); a slower model or "
+                                   "machine needs larger deadlines in the job spec") from None
 
 
 @dataclass
@@ -136,14 +159,16 @@ class GRPOLoop:
                                                 top_p=self.spec.rollout.top_p, top_k=self.spec.rollout.top_k,
                                                 min_p=self.spec.rollout.min_p)
         limit = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(),
-                                           timeout=60).info.max_request_token_positions
+                                           timeout=INFO_TIMEOUT_S).info.max_request_token_positions
         comps = []
         for start, end in split_by_cost([n * (len(p.ids) + max_new) for p in batch], limit):
             req = api.rollout_pb2.GenerateRequest(
                 prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch[start:end]], params=params)
-            for r in self.stubs.rollout.Generate(req, timeout=CALL_TIMEOUT_S):
-                r.completion.prompt_index += start
-                comps.append(r.completion)
+            timeout, sized = self._tokens_deadline(sum(n * (len(p.ids) + max_new) for p in batch[start:end]))
+            with deadline_of("Generate", timeout, sized):
+                for r in self.stubs.rollout.Generate(req, timeout=timeout):
+                    r.completion.prompt_index += start
+                    comps.append(r.completion)
         return sorted(comps, key=lambda c: (c.prompt_index, c.sample_index))
 
     def _reward_input(self, batch: list[Prompt], c: Any) -> RewardInput:
@@ -163,7 +188,8 @@ class GRPOLoop:
     def rollout_fingerprint(self) -> str:
         """Kernel fingerprint of the rollout service (recorded with every sample it produced)."""
         if self._rollout_fingerprint is None:
-            info = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(), timeout=60).info
+            info = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(),
+                                              timeout=INFO_TIMEOUT_S).info
             self._rollout_fingerprint = info.kernel_fingerprint
         return self._rollout_fingerprint
 
@@ -175,7 +201,9 @@ class GRPOLoop:
                                              source=self.spec.rollout.engine,  # "onpolicy" or e.g. "vllm-ascend"
                                              kernel_fingerprint=self.rollout_fingerprint()) for c in chosen],
             wait=True)
-        return self.stubs.verifier.SubmitSamples(req, timeout=CALL_TIMEOUT_S).report
+        timeout, sized = self._tokens_deadline(sum(len(c.prompt_ids) + len(c.token_ids) for c in chosen))
+        with deadline_of("SubmitSamples", timeout, sized):
+            return self.stubs.verifier.SubmitSamples(req, timeout=timeout).report
 
     def _rewards(self, batch: list[Prompt], comps: list[Any]) -> tuple[list[float], float]:
         """Each completion's total reward plus DAPO's overlong penalty (0 with ``overlong_buffer`` 0),
@@ -233,7 +261,23 @@ class GRPOLoop:
             optimizer=api.trainer_pb2.OptimizerConfig(lr=g.lr if lr is None else lr, beta1=0.9, beta2=0.999, eps=1e-8,
                                                       weight_decay=g.weight_decay, grad_clip=g.grad_clip),
             recompute_old_logprobs=g.recompute_old_logprobs)
-        return self.stubs.trainer.TrainStep(req, timeout=CALL_TIMEOUT_S)
+        positions = sum(len(c.prompt_ids) + len(c.token_ids) for c in comps) * (3 * g.epochs + 1)
+        timeout, sized = self._tokens_deadline(positions)
+        with deadline_of("TrainStep", timeout, sized):
+            return self.stubs.trainer.TrainStep(req, timeout=timeout)
+
+    def _tokens_deadline(self, positions: int) -> tuple[float, str]:
+        """The deadline of a call processing ``positions`` token positions, and what it is made of."""
+        d = self.spec.deadlines
+        return (d.call_s + positions * d.per_position_s,
+                f"deadlines.call_s {d.call_s:g} + deadlines.per_position_s {d.per_position_s:g}"
+                f" x {positions} positions")
+
+    def _weights_call(self, call: str, method: Any, request: Any) -> Any:
+        """A weight export / load / checkpoint call, with the job's ``deadlines.weights_s``."""
+        timeout = self.spec.deadlines.weights_s
+        with deadline_of(call, timeout, f"deadlines.weights_s {timeout:g}"):
+            return method(request, timeout=timeout)
 
     def _loss_fields(self) -> dict[str, Any]:
         """The ``LossConfig`` fields of the job's algorithm, entropy bonus and rollout correction."""
@@ -244,18 +288,20 @@ class GRPOLoop:
                 "correction_threshold": s.correction.threshold}
 
     def _sync(self) -> int:
-        ref = self.stubs.trainer.ExportWeights(api.trainer_pb2.ExportWeightsRequest(
-            directory=str(self.weights_dir), keep_last=self.spec.checkpoint.keep_last), timeout=CALL_TIMEOUT_S).weights
-        self.stubs.rollout.UpdateWeights(api.rollout_pb2.UpdateWeightsRequest(weights=ref), timeout=CALL_TIMEOUT_S)
-        self.stubs.verifier.UpdateWeights(api.verifier_pb2.VerifierServiceUpdateWeightsRequest(weights=ref),
-                                          timeout=CALL_TIMEOUT_S)
+        export = api.trainer_pb2.ExportWeightsRequest(directory=str(self.weights_dir),
+                                                      keep_last=self.spec.checkpoint.keep_last)
+        ref = self._weights_call("ExportWeights", self.stubs.trainer.ExportWeights, export).weights
+        self._weights_call("UpdateWeights", self.stubs.rollout.UpdateWeights,
+                           api.rollout_pb2.UpdateWeightsRequest(weights=ref))
+        self._weights_call("UpdateWeights", self.stubs.verifier.UpdateWeights,
+                           api.verifier_pb2.VerifierServiceUpdateWeightsRequest(weights=ref))
         return int(ref.version)
 
     def checkpoint(self, step: int) -> None:
-        self.stubs.trainer.SaveCheckpoint(api.trainer_pb2.SaveCheckpointRequest(
+        self._weights_call("SaveCheckpoint", self.stubs.trainer.SaveCheckpoint, api.trainer_pb2.SaveCheckpointRequest(
             directory=str(self.ckpt_dir), extra_json=json.dumps({"step": step, "job_id": self.job_id,
                                                                  "cursor": self.cursor}),
-            keep_last=self.spec.checkpoint.keep_last), timeout=CALL_TIMEOUT_S)
+            keep_last=self.spec.checkpoint.keep_last))
 
     def step(self, step: int) -> JobEvent:
         s = self.spec
@@ -304,8 +350,8 @@ class GRPOLoop:
         """Restore the trainer from the job's latest checkpoint (a job without one saves its step-0
         checkpoint instead), push that weight version to rollout and verifier; the step to run next."""
         try:
-            restored = self.stubs.trainer.RestoreCheckpoint(
-                api.trainer_pb2.RestoreCheckpointRequest(directory=str(self.ckpt_dir)), timeout=CALL_TIMEOUT_S)
+            restored = self._weights_call("RestoreCheckpoint", self.stubs.trainer.RestoreCheckpoint,
+                                          api.trainer_pb2.RestoreCheckpointRequest(directory=str(self.ckpt_dir)))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise

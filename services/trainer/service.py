@@ -14,6 +14,7 @@ from onpolicy.trainer.checkpoint import load_checkpoint
 from onpolicy.trainer.config import TrainerConfig
 from onpolicy.trainer.engine import TrainerEngine
 
+from ..cluster.placement import PeerPlacement
 from ..common.model import load_certified
 from .confine import JobConfinement
 from .servicer import TrainerServicer
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_config: TrainerConfig | None = None,
                           *, restore_from: str | os.PathLike[str] | None = None, data_parallel: int = 1,
                           tp: int = 1, ep: int = 1, peer_npus: int = 0, peer_name: str = "",
-                          job_dir: str = "", job_id: str = "") -> TrainerServicer:
+                          job_dir: str = "", job_id: str = "", peer_placement: PeerPlacement | None = None,
+                          ) -> TrainerServicer:
     """A ``TrainerServicer`` over a fresh engine on ``model_ref``. Raises ``UncertifiedBackend``
     when the backend fails its selftest here, and ``ValueError`` for the ``fast`` backend (the
     trainer's logprobs are the reference every rollout is checked against, so they must come from
@@ -46,9 +48,9 @@ def build_trainer_service(model_ref: str, kernel_config: KernelConfig, trainer_c
         import torch
 
         from ..cluster.peers import ray_peers
-        from ..cluster.placement import actor_options
+        from ..cluster.placement import peer_options as placed
 
-        peer_options = actor_options(peer_npus, torch.get_num_threads())
+        peer_options = placed(peer_npus, torch.get_num_threads(), peer_placement)
         if data_parallel > 1:
             from onpolicy.trainer.data_parallel import DataParallelEngine
 

@@ -225,6 +225,26 @@ def test_tls_mounts_the_certificates_and_probes_over_tcp(render) -> None:
     assert "--tls-ca ca.crt" in r.notes
 
 
+def test_role_tls_is_mounted_on_every_pod_at_the_path_the_controller_names(render) -> None:
+    from onpolicy.cli.main import build_parser
+
+    plain = render()
+    assert build_parser().parse_args(controller(plain)["args"]).role_tls_cert is None
+    assert all("role-tls" not in {v["name"] for v in pod.get("volumes", [])} for pod in plain.pod_specs().values())
+    r = render(**{"roleTls.secretName": "onpolicy-roles", "roleTls.name": "roles.onpolicy"})
+    args = build_parser().parse_args(controller(r)["args"])
+    assert (args.role_tls_cert, args.role_tls_key, args.role_tls_ca, args.role_tls_name) == (
+        "/etc/onpolicy/role-tls/tls.crt", "/etc/onpolicy/role-tls/tls.key", "/etc/onpolicy/role-tls/ca.crt",
+        "roles.onpolicy")
+    pods = r.pod_specs()
+    assert set(pods) >= {"ray-head", "controller"} and len(pods) >= 4  # head, the worker groups, the controller
+    for name, pod in pods.items():  # the roles run on Ray pods and read the files the controller names
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["role-tls"]["secret"]["secretName"] == "onpolicy-roles", name
+        mounts = [m for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] == "role-tls"]
+        assert mounts == [{"name": "role-tls", "mountPath": "/etc/onpolicy/role-tls", "readOnly": True}], name
+
+
 # ---- secrets -----------------------------------------------------------------------------------------
 
 def test_auth_token_secret_is_generated_and_mounted_as_the_token_file(render) -> None:

@@ -38,7 +38,7 @@ class NoCluster:
     """A launcher without a cluster: every job it is asked to start fails with this error."""
 
     @contextlib.contextmanager
-    def launch(self, job_id, spec, job_dir=None):
+    def launch(self, job_id, spec, job_dir=None, notify=None):
         raise RuntimeError("no cluster in this test")
         yield
 

@@ -116,6 +116,28 @@ data:
 {{- end }}
 {{- end -}}
 
+{{/* The role TLS Secret (values roleTls), mounted at one path on the controller and on every Ray pod:
+     the controller names the files to its roles, which read them on whatever node they run. */}}
+{{- define "onpolicy.roleTlsMount" -}}
+{{- if .Values.roleTls.secretName }}
+- name: role-tls
+  mountPath: /etc/onpolicy/role-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "onpolicy.roleTlsVolume" -}}
+{{- if .Values.roleTls.secretName }}
+- name: role-tls
+  secret:
+    secretName: {{ .Values.roleTls.secretName }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end -}}
+
 {{/* Ray pod template: (dict "root" $ "group" GROUP "role" ROLE "container" NAME "ports" LIST) */}}
 {{- define "onpolicy.rayPodTemplate" -}}
 {{- $root := .root -}}
@@ -174,6 +196,7 @@ spec:
           mountPath: /dev/shm
         - name: tmp
           mountPath: /tmp
+        {{- include "onpolicy.roleTlsMount" $root | nindent 8 }}
         {{- if gt $npus 0 }}
         {{- range $i, $p := $root.Values.npu.driverHostPaths }}
         - name: npu-driver-{{ $i }}
@@ -195,6 +218,7 @@ spec:
         {{- end }}
     - name: tmp
       emptyDir: {}
+    {{- include "onpolicy.roleTlsVolume" $root | nindent 4 }}
     {{- if gt $npus 0 }}
     {{- range $i, $p := $root.Values.npu.driverHostPaths }}
     - name: npu-driver-{{ $i }}
@@ -268,7 +292,9 @@ limits:
 
 {{/* The parallel layout (values `parallel`) the worker groups are sized for: every degree a power of
      two, a trainer that is data parallel or tensor/expert parallel (not both), and an NPU group big
-     enough for it — max(tp, ep) NPUs per role, or dp for the trainer (docs/services.md). */}}
+     enough for it — max(tp, ep) NPUs per role, or dp for the trainer (docs/services.md); its ranks may
+     span that group's pods (they meet at rank 0's node IP), except with placement strict_pack, where
+     one pod holds them all. */}}
 {{- define "onpolicy.checkParallel" -}}
 {{- $p := .Values.parallel -}}
 {{- range $role, $names := dict "rollout" (list "tp" "ep") "trainer" (list "tp" "ep" "dp") -}}
@@ -287,6 +313,21 @@ limits:
 {{- $has := mul (int (default 0 $g.npus)) (int $g.maxReplicas) -}}
 {{- if and $g.enabled (gt (int (default 0 $g.npus)) 0) (lt $has $need) -}}
 {{- fail (printf "parallel.%s needs %d NPUs (max(tp, ep) or dp) but ray.workers.%s offers %d (npus × maxReplicas)" $role $need $role $has) -}}
+{{- end -}}
+{{- end -}}
+{{- /* strict_pack reserves all of a job's ranks on one node: one pod must hold both roles' NPUs */ -}}
+{{- if eq (default "pack" $p.placement) "strict_pack" -}}
+{{- $r := $p.rollout -}}
+{{- $t := $p.trainer -}}
+{{- $need := add (max (int $r.tp) (int $r.ep)) (max (int $t.tp) (int $t.ep) | mul (int (default 1 $t.dp))) -}}
+{{- $pod := 0 -}}
+{{- range $name, $g := .Values.ray.workers -}}
+{{- if and $g.enabled (gt (int (default 0 $g.npus)) $pod) -}}
+{{- $pod = int $g.npus -}}
+{{- end -}}
+{{- end -}}
+{{- if and (gt $pod 0) (lt $pod $need) -}}
+{{- fail (printf "parallel.placement=strict_pack puts a job's ranks on one node, but the rollout and trainer need %d NPUs and the largest worker pod offers %d" $need $pod) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

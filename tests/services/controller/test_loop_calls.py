@@ -1,6 +1,9 @@
-"""A batch that costs more token positions than one Generate call may is sent by the GRPO loop as
-several calls of consecutive prompts, with the same completions, bit for bit, as one call: real
-rollout servers over gRPC (127.0.0.1), one with a small admission budget, one without."""
+"""How the GRPO loop sends its calls, to real rollout servers over gRPC (127.0.0.1).
+
+A batch that costs more token positions than one Generate call may is sent as several calls of
+consecutive prompts, with the same completions, bit for bit, as one call (one server with a small
+admission budget, one without). Every call has the deadline the job's ``deadlines`` give it: one it
+runs past fails with the call, the deadline and what it was made of named."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import torch
 
 from onpolicy.jobs.dataset import Problem
 from onpolicy.jobs.prompts import Prompt
-from onpolicy.jobs.spec import load_spec_file
+from onpolicy.jobs.spec import SpecError, load_spec_file, parse_spec
 from onpolicy.rollout import EngineConfig, RolloutEngine
 from onpolicy.services import api
 from onpolicy.services.common.client import connect
 from onpolicy.services.common.server import ServerConfig
 from onpolicy.services.controller.controller import job_inputs
-from onpolicy.services.controller.loop import GRPOLoop, RoleStubs, split_by_cost
+from onpolicy.services.controller.convert import spec_from_proto, spec_to_proto
+from onpolicy.services.controller.loop import CallDeadlineExceeded, GRPOLoop, RoleStubs, split_by_cost
 from onpolicy.services.roles import serve_servicer
 from onpolicy.services.rollout import RolloutServicer
 
@@ -71,3 +75,32 @@ def test_an_oversize_batch_goes_as_several_calls_with_the_same_completions(rollo
     for a, b in zip(whole, split, strict=True):
         assert list(a.prompt_ids) == list(b.prompt_ids) and list(a.token_ids) == list(b.token_ids)
         assert torch.equal(torch.tensor(list(a.logprobs)), torch.tensor(list(b.logprobs)))
+
+
+def _with_deadlines(**deadlines: float):
+    raw = load_spec_file(ROOT / "examples/jobs/tiny.yaml").model_dump(mode="json")
+    return parse_spec({**raw, "deadlines": deadlines})
+
+
+def test_deadlines_are_validated_and_kept_through_the_proto() -> None:
+    spec = _with_deadlines(call_s=12.5, per_position_s=0.25, weights_s=90)
+    back = spec_from_proto(spec_to_proto(spec)).deadlines
+    assert (back.call_s, back.per_position_s, back.weights_s) == (12.5, 0.25, 90)
+    for field in ("call_s", "weights_s"):
+        with pytest.raises(SpecError) as e:
+            _with_deadlines(**{field: 0})
+        assert f"deadlines.{field}" in [f for f, _ in e.value.violations]
+
+
+def test_a_call_past_its_deadline_fails_naming_it(rollout, tmp_path: Path) -> None:
+    spec = _with_deadlines(call_s=0.001, per_position_s=0.0)
+    stubs, _ = rollout(None)
+    loop = GRPOLoop("job-d", spec, stubs, job_inputs(spec)[0], tmp_path, lambda e: None, lambda: False)
+    batch = [Prompt(Problem("p", "0"), tuple(range(3, 12)))]
+    with pytest.raises(CallDeadlineExceeded, match=r"^Generate ran past its deadline of 0 s "
+                                                   r"\(deadlines\.call_s 0\.001 \+ deadlines\.per_position_s 0 x "):
+        loop._generate(batch, seed=3, temperature=1.0, n=2)
+    # the negative control: the default deadlines let the same call finish
+    ok = GRPOLoop("job-d", load_spec_file(ROOT / "examples/jobs/tiny.yaml"), stubs, job_inputs(spec)[0], tmp_path,
+                  lambda e: None, lambda: False)
+    assert len(ok._generate(batch, seed=3, temperature=1.0, n=2)) == 2
