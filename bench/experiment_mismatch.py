@@ -11,9 +11,10 @@ seeds and steps:
 
 Every step's event (reward, eval accuracy, K3 KL, max and mean |logdiff|, grad norm, clip fraction,
 entropy, …) is written as JSON to ``RESULTS/mismatch-<date>-<arm>.json`` when the arm ends, and the
-arms' curves are drawn into ``OUT/mismatch.png``. Run by hand (not in CI)::
+arms' curves are drawn into ``OUT/mismatch.png`` (``--replot DATE`` redraws them from the JSON
+without running). Run by hand (not in CI)::
 
-    .venv/bin/python -m onpolicy.bench.experiment_mismatch --steps 20 --out docs/experiments
+    .venv/bin/python -m onpolicy.bench.experiment_mismatch --steps 12 --out docs/experiments
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "fast-tis": {"rollout": {"kernels": "fast"}, "grpo": {"recompute_old_logprobs": True},
                  "correction": {"mode": "tis", "level": "token", "threshold": 2.0}},
 }
+#: One colour per arm in every panel (an arm missing from a log-scale panel, e.g. the consistent arm's
+#: KL of exactly 0, does not shift the others' colours).
+COLOURS = {"consistent": "tab:blue", "fast": "tab:orange", "fast-tis": "tab:green"}
 CURVES = [("reward_mean", "reward"), ("eval_accuracy", "eval accuracy (greedy, held-out)"),
           ("kl_k3", "rollout-trainer K3 KL"), ("logdiff_mean", "mean |logdiff|"),
           ("logdiff_max", "max |logdiff|"), ("grad_norm", "grad norm"), ("clip_fraction", "clip fraction"),
@@ -107,7 +111,8 @@ def plot(results: dict[str, list[dict[str, Any]]], out: Path, title: str) -> Pat
             if log:
                 points = [(s, v) for s, v in points if v > 0]
             if points:
-                ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=arm)
+                ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=arm,
+                        color=COLOURS.get(arm))
         if log and ax.lines:
             ax.set_yscale("log")
         ax.set_title(label + (" (log; 0 not drawn)" if log else ""), fontsize=10)
@@ -132,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     p.add_argument("--out", default="docs/experiments", help="where the plot goes")
     p.add_argument("--results", default="bench/results", help="where the raw JSON goes")
+    p.add_argument("--replot", metavar="DATE", default="",
+                   help="run nothing: redraw the plot from RESULTS/mismatch-DATE-<arm>.json (DATE as 2026-12-03)")
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
@@ -140,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     out, results_dir = Path(args.out), Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d")
+    stamp = args.replot or time.strftime("%Y-%m-%d")
+    if args.replot:
+        arms = []
     from onpolicy.services.cluster.local_ray import init_ray, shutdown_ray
 
-    init_ray()
+    if arms:
+        init_ray()
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="onpolicy-mismatch-") as tmp:
@@ -152,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
                 spec = merge(base_spec(args.model, args.steps, args.dtype, args.seed, args.lr), ARMS[arm])
                 results[arm] = run_arm(arm, spec, Path(tmp))
                 record = {"arm": arm, "spec": spec, "seconds": time.time() - t0, "events": results[arm]}
-                (results_dir / f"mismatch-{stamp}-{arm}.json").write_text(json.dumps(record, indent=1))
+                path = results_dir / f"mismatch-{stamp}-{arm}.json"
+                path.with_suffix(".tmp").write_text(json.dumps(record, indent=1))
+                path.with_suffix(".tmp").replace(path)  # atomic: an interrupted run leaves no torn result
     finally:
         shutdown_ray()
     done = {a: json.loads((results_dir / f"mismatch-{stamp}-{a}.json").read_text())["events"] for a in ARMS
             if (results_dir / f"mismatch-{stamp}-{a}.json").is_file()}
+    if not done:
+        p.error(f"no results to plot: {results_dir}/mismatch-{stamp}-<arm>.json")
     png = plot(done, out / "mismatch.png", f"{args.model} {args.dtype}, GRPO on arithmetic, seed {args.seed}")
     print(png)
     return 0
