@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_support import run_in_process
 
 from onpolicy.kernels import KernelConfig
 from onpolicy.trainer.forward import ScoredSequence, sequence_logprobs
@@ -31,17 +32,6 @@ def run_cli(args: list[str], home: Path, timeout: float = 240) -> subprocess.Com
     env.pop("PYTHONWARNINGS", None)
     return subprocess.run([sys.executable, "-m", "onpolicy.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, check=False)
-
-
-def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    from onpolicy.cli.main import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse errors exit directly
-        rc = int(e.code or 0)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, rc, out.out, out.err)
 
 
 def write_json(path: Path, obj: object) -> Path:

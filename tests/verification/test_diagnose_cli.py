@@ -8,22 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cli_support import run_in_process
 from doctor_support import PROMPT_IDS, TOKEN_IDS, run_cli
 
 REQUIRED = {"divergent", "class", "cause", "layer", "op", "max_abs_logdiff", "module", "position", "phase",
             "first_token_index", "shapes", "backends", "evidence", "facts", "swap", "differing_inputs", "summary"}
 IDS = ["--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--token-ids", ",".join(map(str, TOKEN_IDS))]
-
-
-def in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    from onpolicy.cli.main import main
-
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse errors exit directly
-        rc = int(e.code or 0)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, rc, out.out, out.err)
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -37,7 +27,7 @@ def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) 
 
 
 def test_json_output_of_an_operator_fault(tiny_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    proc = in_process(["diagnose", "--model", "tiny-qwen3", *IDS, "--rollout", "kernels=fast,kv_tile=16",
+    proc = run_in_process(["diagnose", "--model", "tiny-qwen3", *IDS, "--rollout", "kernels=fast,kv_tile=16",
                        "--trainer", "kv_tile=16", "--json"], capsys)
     assert proc.returncode == 1, proc.stderr  # a divergence was diagnosed
     d = json.loads(proc.stdout)
@@ -48,10 +38,10 @@ def test_json_output_of_an_operator_fault(tiny_paths: dict[str, Path], capsys: p
 
 
 def test_consistent_pair_human_report(tiny_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    proc = in_process(["diagnose", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5"], capsys)
+    proc = run_in_process(["diagnose", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5"], capsys)
     assert proc.returncode == 0, proc.stderr
     assert "verdict: no divergence" in proc.stdout and "max |logdiff| 0" in proc.stdout
-    proc = in_process(["diagnose", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--json"],
+    proc = run_in_process(["diagnose", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--json"],
                       capsys)
     d = json.loads(proc.stdout)
     assert (d["divergent"], d["class"], d["cause"], d["max_abs_logdiff"]) == (False, "none", None, 0)
@@ -70,7 +60,7 @@ def test_store_samples_and_generate_output(store: Path, generated: dict[str, dic
     assert d["replay"]["trainer_matches_sample"] is True  # the store's trainer logprobs are reproduced
     gen = store.parent / "generate-consistent.json"
     gen.write_text(json.dumps(generated["consistent"]))
-    proc = in_process(["diagnose", str(gen), "--json"], capsys)
+    proc = run_in_process(["diagnose", str(gen), "--json"], capsys)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert (d["class"], d["max_abs_logdiff"]) == ("none", 0) and d["replay"]["rollout_matches_sample"] is True
@@ -95,29 +85,29 @@ def test_store_samples_and_generate_output(store: Path, generated: dict[str, dic
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], fragment: str, tiny_paths: dict[str, Path],
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    assert_usage_error(in_process(["diagnose", *args], capsys), fragment)
+    assert_usage_error(run_in_process(["diagnose", *args], capsys), fragment)
 
 
 def test_bad_files_are_one_line_exit_2(tmp_path: Path, tiny_paths: dict[str, Path],
                                        capsys: pytest.CaptureFixture[str]) -> None:
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
-    assert_usage_error(in_process(["diagnose", str(bad_json)], capsys), "not valid JSON")
+    assert_usage_error(run_in_process(["diagnose", str(bad_json)], capsys), "not valid JSON")
     no_tokens = tmp_path / "no-tokens.json"
     no_tokens.write_text(json.dumps({"model": "tiny-qwen3", "prompt_ids": [1, 2]}))
-    assert_usage_error(in_process(["diagnose", str(no_tokens)], capsys), "token_ids")
+    assert_usage_error(run_in_process(["diagnose", str(no_tokens)], capsys), "token_ids")
     no_model = tmp_path / "no-model.json"
     no_model.write_text(json.dumps({"prompt_ids": [1, 2], "token_ids": [3]}))
-    assert_usage_error(in_process(["diagnose", str(no_model)], capsys), "--model")
+    assert_usage_error(run_in_process(["diagnose", str(no_model)], capsys), "--model")
     short = tmp_path / "short-logprobs.json"
     short.write_text(json.dumps({"model": "tiny-qwen3", "prompt_ids": [1, 2], "token_ids": [3, 4], "logprobs": [0.0]}))
-    assert_usage_error(in_process(["diagnose", str(short)], capsys), "logprobs")
+    assert_usage_error(run_in_process(["diagnose", str(short)], capsys), "logprobs")
     both = tmp_path / "ok.json"
     both.write_text(json.dumps({"model": "tiny-qwen3", "prompt_ids": [1, 2], "token_ids": [3]}))
-    assert_usage_error(in_process(["diagnose", str(both), "--prompt", "x"], capsys), "not both")
+    assert_usage_error(run_in_process(["diagnose", str(both), "--prompt", "x"], capsys), "not both")
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00" * 64)
-    assert_usage_error(in_process(["diagnose", "--model", "tiny-qwen3", "--prompt-ids", "1,2", "--rollout",
+    assert_usage_error(run_in_process(["diagnose", "--model", "tiny-qwen3", "--prompt-ids", "1,2", "--rollout",
                                    f"weights={garbage}"], capsys), "unreadable weights file")
     # and as a real subprocess: no traceback, one line
     assert_usage_error(run_cli(["diagnose", str(bad_json)]), "not valid JSON")

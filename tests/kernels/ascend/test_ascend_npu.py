@@ -22,6 +22,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from ascend_cpu_support import paged_cache
 
 from onpolicy.kernels import AttentionBatch, ContiguousKV, KernelConfig, PagedKV, get_backend
 from onpolicy.kernels.selftest import ProbeShapes, run_selftest
@@ -53,25 +54,6 @@ def npu() -> torch.device:
     return torch.device("npu", 0)
 
 
-def paged(k, v, lens, page, gen):
-    pages_per = [-(-n // page) for n in lens]
-    total = sum(pages_per) + 1
-    perm = torch.randperm(total, generator=gen).tolist()
-    kp = torch.randn(total, page, *k.shape[1:], generator=gen).to(k.dtype)
-    vp = torch.randn(total, page, *v.shape[1:], generator=gen).to(v.dtype)
-    table = torch.full((len(lens), max(pages_per) + 1), perm[-1], dtype=torch.int64)
-    used, start = 0, 0
-    for s, n in enumerate(lens):
-        for p in range(pages_per[s]):
-            table[s, p] = perm[used]
-            used += 1
-        for pos in range(n):
-            kp[table[s, pos // page], pos % page] = k[start + pos]
-            vp[table[s, pos // page], pos % page] = v[start + pos]
-        start += n
-    return kp, vp, table
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_attention_train_infer_bitwise_parity(npu, dtype, group) -> None:
@@ -92,7 +74,7 @@ def test_attention_train_infer_bitwise_parity(npu, dtype, group) -> None:
         one = be.attention(q[sl], ContiguousKV(k[sl].to(npu), v[sl].to(npu), torch.tensor([0, ln])),
                            AttentionBatch.build([ln], [0], [ln]), scale)
         assert torch.equal(one, train[sl]), f"prefill alone seq {s}"
-    kp, vp, table = paged(k, v, lens, 2 * kv_tile, gen)
+    kp, vp, table = paged_cache(k, v, lens, 2 * kv_tile, gen)
     kp, vp = kp.to(npu), vp.to(npu)
     for chunk in (1, kv_tile - 1, kv_tile + 5):  # chunked prefill over the paged cache
         starts = [min(x - 1, chunk) for x in lens]
