@@ -148,6 +148,13 @@ def rank_resources(cpus: float, npus: int, rank: int) -> dict[str, float]:
     return bundle
 
 
+def in_bundle(group: Any, index: int) -> dict[str, Any]:
+    """Ray options scheduling an actor into bundle ``index`` of placement group ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+
 @dataclass(frozen=True)
 class PeerPlacement:
     """Where a role's peer ranks go: bundles ``bundles[r - 1]`` of placement group ``group`` for rank r."""
@@ -157,10 +164,7 @@ class PeerPlacement:
 
     def options(self, base: Mapping[str, Any]) -> Callable[[int], dict[str, Any]]:
         """Per-rank Ray options: ``base`` (CPUs, NPUs) scheduled into the rank's bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return lambda rank: {**base, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=self.bundles[rank - 1])}
+        return lambda rank: {**base, **in_bundle(self.group, self.bundles[rank - 1])}
 
 
 @dataclass(frozen=True)
@@ -174,10 +178,7 @@ class JobPlacement:
 
     def for_service(self, role: str) -> dict[str, Any]:
         """Ray options scheduling ``role``'s service into its rank-0 bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=self.first[role])}
+        return in_bundle(self.group, self.first[role])
 
     def peers(self, role: str) -> PeerPlacement | None:
         if self.worlds[role] == 1:

@@ -161,10 +161,11 @@ class GRPOLoop:
         limit = self.stubs.rollout.GetInfo(api.rollout_pb2.RolloutServiceGetInfoRequest(),
                                            timeout=INFO_TIMEOUT_S).info.max_request_token_positions
         comps = []
-        for start, end in split_by_cost([n * (len(p.ids) + max_new) for p in batch], limit):
+        costs = [n * (len(p.ids) + max_new) for p in batch]
+        for start, end in split_by_cost(costs, limit):
             req = api.rollout_pb2.GenerateRequest(
                 prompts=[api.rollout_pb2.Prompt(prompt_ids=p.ids) for p in batch[start:end]], params=params)
-            timeout, sized = self._tokens_deadline(sum(n * (len(p.ids) + max_new) for p in batch[start:end]))
+            timeout, sized = self._tokens_deadline(sum(costs[start:end]))
             with deadline_of("Generate", timeout, sized):
                 for r in self.stubs.rollout.Generate(req, timeout=timeout):
                     r.completion.prompt_index += start
