@@ -4,8 +4,8 @@ rate, and the max |logdiff| of an engine's sampled logprobs against our training
 
 from __future__ import annotations
 
-import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,23 +45,37 @@ def engine_seconds(engine: Any, prompts: list[list[int]], new_tokens: int, repea
     return median_time(lambda: engine.generate(prompts, params), repeats, warm=lambda: engine.generate(prompts, warm))
 
 
-def decode_tokens_per_s(lm: LoadedModel, prompts: list[list[int]], steps: int, repeats: int) -> float:
+@dataclass(frozen=True)
+class DecodeRate:
+    tokens_per_s: float
+    step_ms: dict[str, float]
+    """Milliseconds per decode step in each phase of the engine step (``onpolicy.rollout.step_clock``),
+    of the run whose rate is the median."""
+
+
+def decode_rate(lm: LoadedModel, prompts: list[list[int]], steps: int, repeats: int) -> DecodeRate:
     """Decode-only tokens/s: the engine's ``steps`` steps after the one that prefills every prompt
-    (and samples its first token), timed on their own; median over ``repeats`` runs after a warm-up."""
+    (and samples its first token), timed on their own; median over ``repeats`` runs after a warm-up;
+    with where a step's time went."""
     engine = engine_for(lm, len(prompts), len(prompts[0]) + steps + 1)
     params = SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True)
 
-    def decode_seconds() -> float:
+    def decode_run() -> tuple[float, dict[str, float]]:
         for p in prompts:
             engine.add_request(p, params)
         engine.step()  # the whole prefill fits one step (engine_for's token budget)
+        before = engine.clock.snapshot()
         t0 = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        after = engine.clock.snapshot()
+        return seconds, {k: (after[k] - before[k]) * 1e3 / steps for k in after}
 
-    decode_seconds()
-    return len(prompts) * steps / statistics.median(decode_seconds() for _ in range(repeats))
+    decode_run()
+    runs = sorted((decode_run() for _ in range(repeats)), key=lambda r: r[0])
+    seconds, phases = runs[(len(runs) - 1) // 2]  # the median run (the lower one of an even count)
+    return DecodeRate(len(prompts) * steps / seconds, phases)
 
 
 def our_logdiff(lm: LoadedModel, prompts: list[list[int]], new_tokens: int) -> float:

@@ -33,9 +33,12 @@ def _body_weights(model: CausalLM) -> list[torch.Tensor]:
 
 def decode_weight_bytes(model: CausalLM) -> int:
     """Bytes one decode step reads at least once: every weight except the embedding table (one row
-    per token), plus the LM head as the fp32 matrix the consistent logprobs multiply by."""
+    per token), plus the LM head as stored (the consistent head widens a bf16 weight inside the
+    product instead of reading an fp32 copy)."""
     total = sum(p.numel() * p.element_size() for p in _body_weights(model))
-    return total + model.lm_head_fp32().numel() * 4
+    with torch.no_grad():
+        head = model.lm_head_weight()
+    return total + head.numel() * head.element_size()
 
 
 def matmul_params(model: CausalLM) -> int:

@@ -19,7 +19,7 @@ from onpolicy.models.registry import load_model
 
 from . import hf, roofline, vs_vllm
 from .common import Report, Result, alternating, log
-from .rollout import decode_tokens_per_s, generate_seconds, our_logdiff, prompts_for, sampled_logdiff
+from .rollout import DecodeRate, decode_rate, generate_seconds, our_logdiff, prompts_for, sampled_logdiff
 from .trainer import grpo_samples, rl_step_times, train_seconds
 
 SUITES = ("vs-vllm", "vs-hf", "roofline", "rl-step")
@@ -208,22 +208,24 @@ def roofline_suite(wb: Workbench, report: Report) -> None:
         flops = roofline.gemm_flops(torch.float32, 1024, 5)  # our bf16 kernels widen to fp32 and run fp32 FMAs
         per_token = 2 * roofline.matmul_params(lm.model)
 
-        def ours(batch: int, lm: LoadedModel = lm) -> float:
-            return decode_tokens_per_s(lm, prompts_for(batch, s.prompt_len, wb.vocab(), seed=3), s.decode_tokens,
-                                       s.repeats)
+        def ours(batch: int, lm: LoadedModel = lm) -> DecodeRate:
+            return decode_rate(lm, prompts_for(batch, s.prompt_len, wb.vocab(), seed=3), s.decode_tokens, s.repeats)
 
         pairs = [(roofline.read_bandwidth(s.bandwidth_mib, 5), ours(1)) for _ in range(s.rounds)]
         bandwidths += [bw for bw, _ in pairs]
         # the round whose ratio is the median (the lower one of an even count): a ratio of its own pair
-        bw, tps = sorted(pairs, key=lambda p: p[1] * weight_bytes / p[0])[(len(pairs) - 1) // 2]
+        bw, one = sorted(pairs, key=lambda p: p[1].tokens_per_s * weight_bytes / p[0])[(len(pairs) - 1) // 2]
         bound1 = bw / weight_bytes
-        report.results.append(Result(f"roofline/decode/bs1/{dtype}", tps, bound1, "tokens/s",
+        report.results.append(Result(f"roofline/decode/bs1/{dtype}", one.tokens_per_s, bound1, "tokens/s",
                                      "decode-only / (bandwidth / weight bytes), the median round"))
-        report.results.append(Result(f"roofline/decode/bs{big}/{dtype}", ours(big), flops / per_token, "tokens/s",
-                                     "decode-only / (GEMM peak / 2 flops per weight)"))
+        many = ours(big)
+        report.results.append(Result(f"roofline/decode/bs{big}/{dtype}", many.tokens_per_s, flops / per_token,
+                                     "tokens/s", "decode-only / (GEMM peak / 2 flops per weight)"))
         info[dtype] = {"decode_weight_bytes": weight_bytes, "gemm_gflop_s": flops / 1e9,
                        "flops_per_token": per_token, "bs1_bound_tokens_s": bound1,
-                       "bs1_rounds": [{"read_bandwidth_gb_s": bw / 1e9, "decode_tokens_s": t} for bw, t in pairs]}
+                       "bs1_rounds": [{"read_bandwidth_gb_s": bw / 1e9, "decode_tokens_s": r.tokens_per_s}
+                                      for bw, r in pairs],
+                       "decode_step_ms": {"bs1": one.step_ms, f"bs{big}": many.step_ms}}
         log(f"roofline/{dtype} done")
     report.details["roofline"] = {"read_bandwidth_gb_s": statistics.median(bandwidths) / 1e9, **info}
 

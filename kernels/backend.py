@@ -321,7 +321,9 @@ class Backend(ABC):
 
     @abstractmethod
     def lm_logits(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
-        """fp32 logits ``hidden @ lm_head.T`` ``[N, V]`` (the LM head of :meth:`logprobs`)."""
+        """fp32 logits ``hidden @ lm_head.T`` ``[N, V]`` (the LM head of :meth:`logprobs`). ``lm_head`` is
+        fp32, or bf16 as the model stores it (``CausalLM.lm_head_weight`` without autograd): a bf16
+        head gives the bits of its exact fp32 widening."""
 
     def logprobs_of_logits(self, logits: Tensor, temperature: Tensor) -> Tensor:
         """fp32 log-softmax of fresh fp32 ``logits [N, V] / temperature[:, None]`` (the second half of

@@ -93,7 +93,6 @@ class CausalLM(nn.Module):
         # The one RoPE table of this model, shared by every path (not a buffer: stays fp32 under .to()).
         self.rope_cos, self.rope_sin = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                                    cfg.rope_scaling)
-        self._head_cache: tuple[tuple[int, int], Tensor] | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -143,34 +142,38 @@ class CausalLM(nn.Module):
         return dense_stack(self.config, self.model.layers)
 
     def lm_head_fp32(self) -> Tensor:
-        """The LM-head weight in fp32 (tied to the embeddings when the config says so). Without
-        autograd the fp32 copy is cached until the weight changes; the cast is exact either way."""
+        """The LM-head weight in fp32 (tied to the embeddings when the config says so); the cast is
+        exact and differentiable."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if torch.is_grad_enabled() or w.dtype == torch.float32:
-            return w.float()
-        key = (w.data_ptr(), w._version)
-        if self._head_cache is None or self._head_cache[0] != key:
-            self._head_cache = (key, w.detach().float())
-        return self._head_cache[1]
+        return w.float()
+
+    def lm_head_weight(self) -> Tensor:
+        """The LM-head weight the logprobs multiply by: under autograd the differentiable fp32 cast
+        (:meth:`lm_head_fp32`); without it, the weight as stored. Every backend's head widens a bf16
+        weight exactly inside the product (``Backend.lm_logits``), so both give the same bits; the
+        stored one reads half the bytes per decode step and needs no fp32 copy."""
+        if torch.is_grad_enabled():
+            return self.lm_head_fp32()
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None,
                  truncation: RowTruncation | None = None) -> Tensor:
         """fp32 log-softmax over the vocabulary of the rows of ``hidden`` at per-row ``temperature``,
         then the per-row top-k / top-p / min-p ``truncation`` (``Backend.truncate_logprobs``) when given."""
         ops = ops or self.ops
-        lp = ops.logprobs(hidden, self.lm_head_fp32(), temperature)
+        lp = ops.logprobs(hidden, self.lm_head_weight(), temperature)
         return lp if truncation is None else ops.truncate_logprobs(lp, truncation)
 
     def token_logprobs(self, hidden: Tensor, temperature: Tensor, targets: Tensor,
                        ops: Backend | None = None, truncation: RowTruncation | None = None) -> Tensor:
         """fp32 ``[N]``: :meth:`logprobs` at each row's ``targets``, the same bits (the trainer's
         path: under autograd its backward skips the ``[N, V]`` intermediates)."""
-        return (ops or self.ops).token_logprobs(hidden, self.lm_head_fp32(), temperature, targets, truncation)
+        return (ops or self.ops).token_logprobs(hidden, self.lm_head_weight(), temperature, targets, truncation)
 
     def token_logprobs_entropy(self, hidden: Tensor, temperature: Tensor, targets: Tensor,
                                ops: Backend | None = None, truncation: RowTruncation | None = None,
                                ) -> tuple[Tensor, Tensor]:
         """:meth:`token_logprobs` (the same bits) and each row's entropy of the distribution it reads,
         both differentiable (the trainer's path when it measures or regularises the entropy)."""
-        return (ops or self.ops).token_logprobs_entropy(hidden, self.lm_head_fp32(), temperature, targets,
+        return (ops or self.ops).token_logprobs_entropy(hidden, self.lm_head_weight(), temperature, targets,
                                                         truncation)

@@ -20,6 +20,7 @@ from .model_runner import ModelRunner, SampledToken
 from .scheduler import Scheduler
 from .sequence import Completion, SamplingParams, Sequence
 from .speculative import SpeculativeConfig, propose_ngram
+from .step_clock import StepClock
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,10 @@ class RolloutEngine:
         self.blocks = BlockManager(num_pages, page, self.config.prefix_cache)
         drafter = self._draft if self.config.speculative.enabled else None
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_batched_tokens, drafter)
-        self.runner = ModelRunner(lm.model, self.cache, stack=lm.model.dense_stack())  # compiled once, here
+        self.clock = StepClock()
+        """Where the steps' time went, per phase (``onpolicy.rollout.step_clock``)."""
+        self.runner = ModelRunner(lm.model, self.cache, stack=lm.model.dense_stack(),  # compiled once, here
+                                  clock=self.clock)
         self.weight_version = 0
         self.counters = EngineStats()
         self._seqs: dict[int, Sequence] = {}
@@ -143,7 +147,9 @@ class RolloutEngine:
     def step(self) -> list[Completion]:
         """One engine step; returns the completions that finished in it."""
         t0 = time.perf_counter()
+        self.clock.start()
         out = self.scheduler.schedule()
+        self.clock.lap("schedule")
         if not out.scheduled:
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         sampled = self.runner.run(out)
@@ -175,6 +181,7 @@ class RolloutEngine:
                 del self._seqs[seq.seq_id]
             elif s.draft:
                 self.blocks.shrink(seq, len(seq.tokens))
+        self.clock.lap("update")
         self.counters.steps += 1
         self.counters.tokens_computed += out.num_tokens
         self.counters.tokens_generated += appended

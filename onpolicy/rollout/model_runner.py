@@ -21,6 +21,7 @@ from onpolicy.models.causal_lm import CausalLM
 from .kv_cache import KVCache, PagedContext
 from .scheduler import ScheduledSeq, SchedulerOutput
 from .speculative import accept
+from .step_clock import StepClock
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,13 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, stack: DenseStack | None = None) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, stack: DenseStack | None = None,
+                 clock: StepClock | None = None) -> None:
         """``stack``: the model's layers as one native call (``CausalLM.dense_stack``), chosen once by
-        the engine at load time; None runs the layers one by one (the same bits)."""
+        the engine at load time; None runs the layers one by one (the same bits). ``clock``: the
+        engine's, charged with the phases of :meth:`run` (its own when not given)."""
         self.model, self.cache, self.stack = model, cache, stack
+        self.clock = clock or StepClock()
 
     @torch.no_grad()
     def run(self, out: SchedulerOutput) -> list[SampledToken]:
@@ -60,8 +64,10 @@ class ModelRunner:
                              dtype=torch.int64, device=device)
         ctx = PagedContext(self.cache, batch, table, torch.tensor(slots, dtype=torch.int64, device=device))
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        hidden = self.model.hidden(torch.tensor(ids, dtype=torch.int64, device=device), positions_t, ctx,
-                                   stack=self.stack)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+        self.clock.lap("inputs")
+        hidden = self.model.hidden(ids_t, positions_t, ctx, stack=self.stack)
+        self.clock.lap("layers")
         ends = [e - 1 for e in itertools.accumulate(q_lens)]
         sampled = [(s, end) for s, end in zip(out.scheduled, ends, strict=True) if s.samples]
         if not sampled:
@@ -73,12 +79,15 @@ class ModelRunner:
         temps = torch.tensor([p.logprob_temperature for p in params], dtype=torch.float32, device=device)
         trunc = RowTruncation.of([p.truncation for p in params], device)
         lp = self.model.logprobs(hidden[rows], temps, truncation=trunc)
+        self.clock.lap("head")
         keys = torch.tensor([s.seq.key for s, _, _ in rows_of], dtype=torch.int64, device=device)
         steps = torch.tensor([len(s.seq.generated) + j for s, _, j in rows_of], dtype=torch.int64, device=device)
         greedy = torch.tensor([p.greedy for p in params], device=device)
         tokens = sample(lp, keys, steps, greedy)
         token_lp = lp.gather(1, tokens[:, None])[:, 0]
-        return _emit([s for s, _ in sampled], tokens.tolist(), token_lp.tolist())
+        emitted = _emit([s for s, _ in sampled], tokens.tolist(), token_lp.tolist())
+        self.clock.lap("sample")
+        return emitted
 
 
 def _emit(sampled: list[ScheduledSeq], tokens: list[int], logprobs: list[float]) -> list[SampledToken]:

@@ -206,7 +206,8 @@ class CapturingBackend(Backend):
 
     def logprobs(self, hidden: Tensor, lm_head: Tensor, temperature: Tensor) -> Tensor:
         y = self.inner.logprobs(hidden, lm_head, temperature)
-        self._rec("logprobs", {"hidden": hidden, "lm_head": lm_head, "temperature": temperature}, y)
+        # the head as the values it multiplies by (fp32): a bf16 head as stored is the same operand
+        self._rec("logprobs", {"hidden": hidden, "lm_head": lm_head.float(), "temperature": temperature}, y)
         return y
 
     def truncate_logprobs(self, logprobs: Tensor, truncation: RowTruncation | None) -> Tensor:

@@ -42,6 +42,11 @@ def test_bench_all_quick_json_schema(tiny_paths: dict[str, Path]) -> None:
     assert details["roofline"]["read_bandwidth_gb_s"] > 0
     rounds = details["roofline"]["fp32"]["bs1_rounds"]  # bandwidth and decode measured back to back
     assert len(rounds) == details["setup"]["rounds"] and all(r["read_bandwidth_gb_s"] > 0 for r in rounds)
+    steps = details["roofline"]["fp32"]["decode_step_ms"]  # where a decode step's time went, per phase
+    assert set(steps) == {"bs1", "bs32"}
+    for phases in steps.values():
+        assert set(phases) == {"schedule", "inputs", "layers", "head", "sample", "update"}
+        assert all(ms > 0 for ms in phases.values())
     times = details["rl_step_seconds"]["fp32"]
     assert times["no_recompute"]["recompute_s"] == 0.0 and times["recompute"]["recompute_s"] > 0
     assert details["setup"]["model"] == "tiny-llama"

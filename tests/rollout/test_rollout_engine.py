@@ -122,3 +122,16 @@ def test_update_weights_changes_logprobs_and_drops_prefix_cache(load_tiny) -> No
     with pytest.raises(ValueError, match="shape"):
         engine.update_weights(bad, version=4)
     assert engine.weight_version == 3
+
+
+def test_step_clock_charges_every_phase_within_the_steps(load_tiny) -> None:
+    """The engine's StepClock splits the steps' wall time into its phases: after a generation every
+    phase has been charged, and together they never exceed the steps' own measured time."""
+    from onpolicy.rollout.step_clock import PHASES
+
+    eng = RolloutEngine(load_tiny("tiny-llama"), EngineConfig(max_num_seqs=4, kv_cache_tokens=512))
+    eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, max_new_tokens=4, seed=1))
+    phases = eng.clock.snapshot()
+    assert tuple(phases) == PHASES
+    assert all(s > 0 for s in phases.values()), phases
+    assert sum(phases.values()) <= eng.counters.seconds

@@ -97,20 +97,35 @@ def test_autograd_gives_same_bits(load_tiny: Callable[..., object], name: str, d
         assert _equal_lists(sequence_logprobs(model, seqs), ref)
 
 
-def test_no_grad_lm_head_cache_tracks_weight_updates(load_tiny: Callable[..., object]) -> None:
-    """bf16 LM head: the no-grad path caches an fp32 copy; an in-place weight update must not be
-    served a stale copy."""
+def test_no_grad_lm_head_reads_the_stored_bf16_weight(load_tiny: Callable[..., object]) -> None:
+    """bf16 LM head: without autograd the logprobs multiply by the weight as stored (widened inside the
+    kernel) and give the bits of the fp32 copy the training path multiplies by; an in-place weight
+    update is seen at once (nothing cached)."""
+    from onpolicy.kernels.fast import FastBackend
+
     model: CausalLM = load_tiny("tiny-llama", "bf16", fresh=True).model  # type: ignore[attr-defined]
+    assert model.lm_head is not None
     seqs = make_seqs(2, [(4, 6)])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0])
     with torch.no_grad():
+        assert model.lm_head_weight() is model.lm_head.weight and model.lm_head.weight.dtype == torch.bfloat16
+        stored = model.logprobs(hidden, temps)
+        copied = model.ops.logprobs(hidden, model.lm_head_fp32(), temps)
+        # negative control: torch's bf16 GEMM on the same stored weight rounds differently
+        other = FastBackend(model.ops.config).logprobs(hidden, model.lm_head.weight, temps)
         before = sequence_logprobs(model, seqs)[0]
-        assert model.lm_head is not None
         model.lm_head.weight.mul_(2)
         after = sequence_logprobs(model, seqs)[0]
         model.lm_head.weight.div_(2)  # exact in bf16 (power of two)
         again = sequence_logprobs(model, seqs)[0]
+    assert torch.equal(stored, copied)
+    assert not torch.equal(other, copied)
     assert not torch.equal(before, after)
     assert torch.equal(before, again)
+    # the training path (autograd) multiplies by the fp32 copy: the same bits
+    assert _equal_lists(sequence_logprobs(model, seqs), [before])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
