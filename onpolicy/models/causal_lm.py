@@ -141,20 +141,20 @@ class CausalLM(nn.Module):
         dense pre-norm layer it describes (MoE, tensor/expert parallel, a subclassed module)."""
         return dense_stack(self.config, self.model.layers)
 
+    def _stored_head(self) -> Tensor:
+        """The LM-head weight as the model holds it (the embeddings' when the config ties them)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def lm_head_fp32(self) -> Tensor:
-        """The LM-head weight in fp32 (tied to the embeddings when the config says so); the cast is
-        exact and differentiable."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return w.float()
+        """The LM-head weight in fp32; the cast is exact and differentiable."""
+        return self._stored_head().float()
 
     def lm_head_weight(self) -> Tensor:
         """The LM-head weight the logprobs multiply by: under autograd the differentiable fp32 cast
         (:meth:`lm_head_fp32`); without it, the weight as stored. Every backend's head widens a bf16
         weight exactly inside the product (``Backend.lm_logits``), so both give the same bits; the
         stored one reads half the bytes per decode step and needs no fp32 copy."""
-        if torch.is_grad_enabled():
-            return self.lm_head_fp32()
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.lm_head_fp32() if torch.is_grad_enabled() else self._stored_head()
 
     def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None,
                  truncation: RowTruncation | None = None) -> Tensor:

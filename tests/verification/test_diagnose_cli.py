@@ -28,7 +28,7 @@ def assert_usage_error(proc: subprocess.CompletedProcess[str], *fragments: str) 
 
 def test_json_output_of_an_operator_fault(tiny_paths: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     proc = run_in_process(["diagnose", "--model", "tiny-qwen3", *IDS, "--rollout", "kernels=fast,kv_tile=16",
-                       "--trainer", "kv_tile=16", "--json"], capsys)
+                           "--trainer", "kv_tile=16", "--json"], capsys)
     assert proc.returncode == 1, proc.stderr  # a divergence was diagnosed
     d = json.loads(proc.stdout)
     assert set(d) >= REQUIRED
@@ -42,7 +42,7 @@ def test_consistent_pair_human_report(tiny_paths: dict[str, Path], capsys: pytes
     assert proc.returncode == 0, proc.stderr
     assert "verdict: no divergence" in proc.stdout and "max |logdiff| 0" in proc.stdout
     proc = run_in_process(["diagnose", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--json"],
-                      capsys)
+                          capsys)
     d = json.loads(proc.stdout)
     assert (d["divergent"], d["class"], d["cause"], d["max_abs_logdiff"]) == (False, "none", None, 0)
 
@@ -108,6 +108,6 @@ def test_bad_files_are_one_line_exit_2(tmp_path: Path, tiny_paths: dict[str, Pat
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00" * 64)
     assert_usage_error(run_in_process(["diagnose", "--model", "tiny-qwen3", "--prompt-ids", "1,2", "--rollout",
-                                   f"weights={garbage}"], capsys), "unreadable weights file")
+                                       f"weights={garbage}"], capsys), "unreadable weights file")
     # and as a real subprocess: no traceback, one line
     assert_usage_error(run_cli(["diagnose", str(bad_json)]), "not valid JSON")
