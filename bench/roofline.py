@@ -31,13 +31,18 @@ def _body_weights(model: CausalLM) -> list[torch.Tensor]:
     return [p for p in model.parameters() if id(p) not in skip]
 
 
+def _head(model: CausalLM) -> torch.Tensor:
+    """The LM-head weight a decode step multiplies by: as stored (no fp32 copy made)."""
+    with torch.no_grad():
+        return model.lm_head_weight()
+
+
 def decode_weight_bytes(model: CausalLM) -> int:
     """Bytes one decode step reads at least once: every weight except the embedding table (one row
     per token), plus the LM head as stored (the consistent head widens a bf16 weight inside the
     product instead of reading an fp32 copy)."""
     total = sum(p.numel() * p.element_size() for p in _body_weights(model))
-    with torch.no_grad():
-        head = model.lm_head_weight()
+    head = _head(model)
     return total + head.numel() * head.element_size()
 
 
@@ -45,4 +50,4 @@ def matmul_params(model: CausalLM) -> int:
     """Weights that take part in a GEMM per token (all but the embedding table and the norms; the LM
     head counted once, tied or not)."""
     body = sum(p.numel() for p in _body_weights(model) if p.dim() == 2)
-    return body + model.lm_head_fp32().numel()
+    return body + _head(model).numel()

@@ -151,9 +151,9 @@ class CausalLM(nn.Module):
 
     def lm_head_weight(self) -> Tensor:
         """The LM-head weight the logprobs multiply by: under autograd the differentiable fp32 cast
-        (:meth:`lm_head_fp32`); without it, the weight as stored. Every backend's head widens a bf16
-        weight exactly inside the product (``Backend.lm_logits``), so both give the same bits; the
-        stored one reads half the bytes per decode step and needs no fp32 copy."""
+        (:meth:`lm_head_fp32`); without it, the weight as stored. Every backend gives a bf16 head the
+        bits of its exact fp32 widening (``Backend.lm_logits``), so both give the same bits; the stored
+        one reads half the bytes per decode step and needs no fp32 copy."""
         return self.lm_head_fp32() if torch.is_grad_enabled() else self._stored_head()
 
     def logprobs(self, hidden: Tensor, temperature: Tensor, ops: Backend | None = None,
