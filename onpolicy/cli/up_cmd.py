@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -214,11 +215,44 @@ def start_jobs_server(config: Any, state_dir: Path, ray_address: str | None, tok
     return server, controller
 
 
+SHUTDOWN_DEADLINE_S = 120.0
+"""Seconds a stopping ``up`` / ``serve`` gets before it prints every thread's stack and exits 1."""
+JOB_STOP_S = 30.0
+"""Of those, seconds the controller waits for its jobs' threads to end."""
+
+
 def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM. A second one exits at once; after the first, the shutdown that
+    follows has ``SHUTDOWN_DEADLINE_S`` seconds, then the process prints where each thread was and
+    exits 1 (running jobs stay RUNNING on disk either way, and resume at the next start)."""
     stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            print(f"{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
+    print(f"shutting down (at most {SHUTDOWN_DEADLINE_S:.0f} s; signal again to exit now); running jobs stay "
+          "resumable", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
+
+
+def stop_all(server: Any, controller: Any, endpoint: Any, hub: Any) -> None:
+    """Stop the controller's jobs (see ``JobController.shutdown``), the gRPC server, the metrics
+    endpoint and this process's Ray connection (a local cluster goes down with it)."""
+    from onpolicy.services.cluster.local_ray import shutdown_ray
+
+    if controller is not None:
+        stuck = controller.shutdown(JOB_STOP_S)
+        if stuck:
+            print(f"job(s) still stopping after {JOB_STOP_S:.0f} s: {', '.join(stuck)}", file=sys.stderr, flush=True)
+    server.stop()
+    close_metrics(endpoint, hub)
+    shutdown_ray()
 
 
 def default_state_dir() -> Path:
@@ -244,10 +278,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         wait_for_signal()
     finally:
-        print("shutting down", file=sys.stderr, flush=True)
-        controller.shutdown()
-        server.stop()
-        close_metrics(endpoint, hub)
+        stop_all(server, controller, endpoint, hub)
     return 0
 
 
@@ -319,10 +350,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         wait_for_signal()
     finally:
-        if controller is not None:
-            controller.shutdown()
-        server.stop()
-        close_metrics(endpoint, hub)
+        stop_all(server, controller, endpoint, hub)
     return 0
 
 
@@ -394,9 +422,4 @@ def demo(args: argparse.Namespace) -> int:
         ok = final == "SUCCEEDED" and (mismatched == 0 or args.kernels == "fast")
         return 0 if ok else 1
     finally:
-        controller.shutdown()
-        server.stop()
-        close_metrics(endpoint, hub)
-        from onpolicy.services.cluster.local_ray import shutdown_ray
-
-        shutdown_ray()
+        stop_all(server, controller, endpoint, hub)

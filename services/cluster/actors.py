@@ -228,6 +228,12 @@ class NodeWatch:
                 log.debug("node watch check failed", exc_info=True)
 
 
+def close_all(channels: list[Any]) -> None:
+    """Close every channel in ``channels`` (idempotent; calls in flight on them end with CANCELLED)."""
+    for ch in list(channels):
+        ch.close()
+
+
 class RayLauncher:
     """Starts a job's three role services as Ray actors (resources ``{"NPU": n}`` on Ascend, CPUs
     otherwise, restarted by Ray up to ``max_restarts`` times), connects gRPC stubs to them (and
@@ -263,8 +269,7 @@ class RayLauncher:
 
         addresses = {role: resolve_address(a) for role, a in actors.items()}
         log.info("job %s services: %s", job_id, addresses)
-        for ch in channels:
-            ch.close()
+        close_all(channels)
         channels.clear()
         if self.metrics is not None:
             for role, a in actors.items():
@@ -279,7 +284,8 @@ class RayLauncher:
                 ch = connect(addresses[role], token=token, allow_insecure_token=not self.loopback)
             channels.append(ch)
             stubs[role] = ROLES[role].stub(ch)
-        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token)
+        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token,
+                         abort=lambda: close_all(channels))
 
     @contextlib.contextmanager
     def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None,
@@ -327,8 +333,7 @@ class RayLauncher:
             if self.metrics is not None:
                 with contextlib.suppress(Exception):
                     self.metrics.retire(job_id)  # final snapshot, while the services still answer
-            for ch in channels:
-                ch.close()
+            close_all(channels)
             for a in actors.values():
                 with contextlib.suppress(Exception):
                     ray.kill(a)

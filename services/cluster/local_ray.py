@@ -101,6 +101,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
 
 
 def shutdown_ray() -> None:
+    """Disconnect this process from Ray (a local cluster it started goes down with it); nothing when
+    Ray was never imported."""
+    if "ray" not in sys.modules:
+        return
     import ray
 
     if ray.is_initialized():

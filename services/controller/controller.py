@@ -9,6 +9,7 @@ pushed to rollout and verifier), so no job and no checkpointed step is lost.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -157,6 +158,8 @@ class _Job:
         self.cancel = threading.Event()
         self.changed = threading.Condition()
         self.thread: threading.Thread | None = None
+        self.abort: Callable[[], None] | None = None
+        """Ends the calls in flight to the job's services (``RoleStubs.abort``) while they run."""
 
 
 class JobController:
@@ -270,16 +273,25 @@ class JobController:
                 self._admit(job)
         return resumed
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop running jobs' threads (their state stays RUNNING on disk, so a restart resumes them)."""
+    def shutdown(self, timeout: float = 30.0) -> list[str]:
+        """Stop running jobs' threads (their state stays RUNNING on disk, so a restart resumes them):
+        each is cancelled and the calls it has in flight to its services are ended at once, so no
+        phase of a step is waited out; then its services are stopped. Waits at most ``timeout``
+        seconds in all; returns the ids of jobs whose threads had not ended by then."""
         self._closed = True
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
             job.cancel.set()
+            abort = job.abort
+            if abort is not None:
+                with contextlib.suppress(Exception):
+                    abort()
+        deadline = time.monotonic() + timeout
         for job in jobs:
             if job.thread is not None:
-                job.thread.join(timeout)
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+        return [job.rec.job_id for job in jobs if job.thread is not None and job.thread.is_alive()]
 
     # ---- internals --------------------------------------------------------------------------------
     def _job(self, job_id: str) -> _Job:
@@ -359,6 +371,7 @@ class JobController:
             notify = lambda message: self._emit(job, JobEvent(  # noqa: E731
                 job_id=rec.job_id, step=job.rec.step, state=JobState.RUNNING, message=message))
             with self.launcher.launch(rec.job_id, spec, job_root(spec, rec.job_id, workdir), notify) as stubs:
+                job.abort = stubs.abort
                 if job.cancel.is_set():
                     raise Cancelled()
                 loop = GRPOLoop(rec.job_id, spec, stubs, inputs, Path(workdir), lambda ev: self._emit(job, ev),

@@ -88,6 +88,10 @@ class RoleStubs:
     None when the launcher cannot, and a lost service then fails the job."""
     token: str = field(default="", repr=False)
     """The job's own role token the stubs carry (in memory only; "" when the roles need none)."""
+    abort: Callable[[], None] | None = None
+    """Close the job's channels, this connection's and any later reconnection's: every call in
+    flight ends at once with CANCELLED (a stopping controller does not wait out a phase); None when
+    the launcher cannot."""
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,35 @@ CLI = [sys.executable, "-m", "onpolicy.cli.main"]
 
 
 class Up:
+    """``onpolicy up`` as a subprocess; its stderr goes to a file (an unread pipe could fill and block
+    it), shown when it fails to start or to stop."""
+
     def __init__(self, state: Path, token_file: Path) -> None:
-        self.proc = subprocess.Popen([*CLI, "up", "--port", "0", "--state-dir", str(state), "--token-file",
-                                      str(token_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.log = state.parent / f"up-{time.monotonic_ns()}.stderr"
+        with self.log.open("w") as err:
+            self.proc = subprocess.Popen([*CLI, "up", "--port", "0", "--state-dir", str(state), "--token-file",
+                                          str(token_file)], stdout=subprocess.PIPE, stderr=err, text=True)
         deadline = time.time() + 180
         self.address = ""
         while time.time() < deadline:
             line = self.proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
-                raise AssertionError(f"up exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                raise AssertionError(f"up exited: {self.log.read_text()}")
             if line.startswith("jobs endpoint: "):
                 self.address = line.split(": ", 1)[1].strip()
                 break
         assert self.address.startswith("127.0.0.1:")
 
-    def stop(self) -> int:
+    def stop(self) -> None:
+        """SIGTERM, then the exit status must be 0 (``up`` bounds its own shutdown: past its deadline
+        it prints every thread's stack and exits 1)."""
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=120)
+        try:
+            code = self.proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"up did not stop: {self.log.read_text()[-8000:]}") from None
+        assert code == 0, f"up exited {code}: {self.log.read_text()[-8000:]}"
 
 
 def run(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -83,7 +95,7 @@ def test_submit_watch_jobs_and_errors(tmp_path: Path, token_file: Path) -> None:
         p = run("cancel", job_id, *conn)
         assert "SUCCEEDED" in p.stdout  # a finished job stays finished
     finally:
-        assert up.stop() == 0
+        up.stop()
 
 
 def test_restarted_controller_resumes_an_unfinished_job(tmp_path: Path, token_file: Path) -> None:
@@ -103,7 +115,7 @@ def test_restarted_controller_resumes_an_unfinished_job(tmp_path: Path, token_fi
             time.sleep(1)
         assert jobs[0]["step"] >= 1 and jobs[0]["state"] == "RUNNING"
     finally:
-        assert up.stop() == 0
+        up.stop()
     record = json.loads((state / "jobs" / job_id / "job.json").read_text())
     assert record["state"] == "RUNNING"  # a stopping controller leaves its jobs resumable
     up = Up(state, token_file)
@@ -115,4 +127,4 @@ def test_restarted_controller_resumes_an_unfinished_job(tmp_path: Path, token_fi
         assert json.loads(run("jobs", "--json", *conn).stdout)[0]["step"] == 40
         assert any("controller restarted" in e["message"] for e in events)
     finally:
-        assert up.stop() == 0
+        up.stop()
