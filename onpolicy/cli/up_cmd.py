@@ -221,20 +221,25 @@ JOB_STOP_S = 30.0
 """Of those, seconds the controller waits for its jobs' threads to end."""
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM. A second one exits at once; after the first, the shutdown that
-    follows has ``SHUTDOWN_DEADLINE_S`` seconds, then the process prints where each thread was and
-    exits 1 (running jobs stay RUNNING on disk either way, and resume at the next start)."""
+def stop_on_signal() -> threading.Event:
+    """An event set by the first SIGINT or SIGTERM. That first signal puts both back to their default
+    action, so a second one ends the process at once, whatever it is doing."""
     stop = threading.Event()
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            print(f"{signal.Signals(signum).name} again: exiting now", file=sys.stderr, flush=True)
-            os._exit(1)
+    def on_signal(_signum: int, _frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    return stop
+
+
+def wait_for(stop: threading.Event) -> None:
+    """Block until ``stop`` (``stop_on_signal``); the shutdown that follows then has
+    ``SHUTDOWN_DEADLINE_S`` seconds, after which the process prints where each thread was and exits
+    1 (running jobs stay RUNNING on disk either way, and resume at the next start)."""
     stop.wait()
     print(f"shutting down (at most {SHUTDOWN_DEADLINE_S:.0f} s; signal again to exit now); running jobs stay "
           "resumable", file=sys.stderr, flush=True)
@@ -274,9 +279,10 @@ def up(args: argparse.Namespace) -> int:
                                            reward_modules(args.allow_reward_modules), args.max_running_jobs,
                                            args.max_watch_streams, args.data_root, args.model_root,
                                            role_tls_arg(args))
+    stop = stop_on_signal()  # after Ray's start-up, which installs handlers of its own
     print(f"jobs endpoint: {server.address}", flush=True)
     try:
-        wait_for_signal()
+        wait_for(stop)
     finally:
         stop_all(server, controller, endpoint, hub)
     return 0
@@ -346,9 +352,10 @@ def serve(args: argparse.Namespace) -> int:
         server, controller, endpoint = role.server, None, role.metrics
         if endpoint is not None:
             print(f"metrics endpoint: {endpoint.url}", flush=True)
+    stop = stop_on_signal()
     print(f"{args.role} endpoint: {server.address}", flush=True)
     try:
-        wait_for_signal()
+        wait_for(stop)
     finally:
         stop_all(server, controller, endpoint, hub)
     return 0

@@ -259,7 +259,8 @@ class RayLauncher:
         self.max_restarts = max_restarts
         self.placement_timeout_s = placement_timeout_s
 
-    def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any], token: str) -> RoleStubs:
+    def _connect(self, job_id: str, actors: dict[str, Any], channels: list[Any], token: str,
+                 aborted: threading.Event) -> RoleStubs:
         """Stubs to the actors' current addresses (closing the channels of a previous connection),
         authenticated with the job's own role ``token``."""
         import ray
@@ -284,8 +285,15 @@ class RayLauncher:
                 ch = connect(addresses[role], token=token, allow_insecure_token=not self.loopback)
             channels.append(ch)
             stubs[role] = ROLES[role].stub(ch)
-        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token), token=token,
-                         abort=lambda: close_all(channels))
+        if aborted.is_set():  # aborted while this (re)connection was being made: its calls end at once too
+            close_all(channels)
+
+        def abort() -> None:
+            aborted.set()
+            close_all(channels)
+
+        return RoleStubs(**stubs, reconnect=lambda: self._connect(job_id, actors, channels, token, aborted),
+                         token=token, abort=abort)
 
     @contextlib.contextmanager
     def launch(self, job_id: str, spec: JobSpec, job_dir: str | Path | None = None,
@@ -323,7 +331,7 @@ class RayLauncher:
                 ).remote(options_for(spec, role, job_id, job_dir, mismatch_dir, placement.peers(role)), self.host,
                          token, max(1, int(res.cpus)), self.metrics is not None,
                          asdict(self.tls) if self.tls is not None else None)
-            stubs = self._connect(job_id, actors, channels, token)
+            stubs = self._connect(job_id, actors, channels, token, threading.Event())
             if watch is not None:
                 watch.start()
             yield stubs

@@ -408,6 +408,7 @@ class GRPOLoop:
             self._event(0, f"lost a service ({lost}); reconnecting")
             try:
                 self.stubs = self.stubs.reconnect()
+                self._check()
                 step = self.resume()
             except grpc.RpcError as e:
                 err, attempt = e, attempt + 1

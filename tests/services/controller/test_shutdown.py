@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import KV16, TOKEN
 
 from onpolicy.jobs.spec import JobSpec, load_spec_file
+from onpolicy.kernels import KernelConfig
 from onpolicy.services.cluster.actors import close_all
 from onpolicy.services.common.client import connect
 from onpolicy.services.controller.controller import JobController
@@ -25,6 +25,8 @@ from onpolicy.services.roles import ROLES, start_role
 from onpolicy.services.rollout.servicer import RolloutServicer
 
 ROOT = Path(__file__).resolve().parents[3]
+TOKEN = "shutdown-test-token"
+KV16 = KernelConfig(kv_tile=16)
 
 
 class Stall:
